@@ -1,0 +1,100 @@
+"""The `objective:` section: which policy objective, and its hyper-parameters (SPEC section 8).
+
+Fields left at `None` are filled with the selected objective's paper default by `resolve()`, so a
+resolved config always shows concrete numbers. `ObjectiveConfig` is re-exported as
+`megapkl.objectives.PolicyLossConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional, Union
+
+from megapkl.config.typed import build, rng
+
+ObjectiveName = Literal["pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "gspo",
+                        "tetpo", "gepo", "m2po"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean", "token_sum_norm"]
+
+OBJECTIVE_NAMES: tuple[str, ...] = ObjectiveName.__args__  # type: ignore[attr-defined]
+
+# Per-objective defaults for the fields left unset (papers: PKL B.2/C.2, SIS Table 5, TETPO App. B).
+DEFAULT_AGGREGATION = {"gspo": "seq_mean_token_mean", "gepo": "seq_mean_token_mean", "tetpo": "seq_mean"}
+DEFAULT_EPS = {  # (eps_clip_low, eps_clip_high)
+    "grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
+    "gepo": (0.2, 0.2),
+}
+# Objectives whose coefficient contains the token weight w_t, so SIS can replace it (SPEC 4.3).
+SIS_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo")
+# Objectives that use the future-KL credit C_t (SPEC 4.1).
+CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
+
+
+@dataclass
+class SISConfig:
+    """Selective importance sampling (SIS paper Alg. 1): top-K envelope rejection test."""
+
+    enabled: bool = False
+    top_k: int = field(default=10, metadata=rng(1))
+
+
+@dataclass
+class ObjectiveConfig:
+    """Policy objective and hyper-parameters; keys and defaults as SPEC section 8."""
+
+    name: ObjectiveName = "proximal_kl"
+    aggregation: Optional[Aggregation] = None
+    beta: float = field(default=0.30, metadata=rng(0.0))
+    horizon: Union[int, Literal["full"]] = "full"
+    cost_clip: Optional[float] = field(default=0.05, metadata=rng(0.0, lo_open=True))
+    tail: Literal["none", "linear"] = "none"
+    eps_clip_low: Optional[float] = field(default=None, metadata=rng(0.0, 1.0))
+    eps_clip_high: Optional[float] = field(default=None, metadata=rng(0.0))
+    is_clip: tuple[float, float] = (0.0, 5.0)
+    kappa: float = field(default=0.85, metadata=rng(0.0, 1.0, lo_open=True))
+    bisection_steps: int = field(default=24, metadata=rng(1, 64))
+    m2_threshold: float = field(default=0.04, metadata=rng(0.0, lo_open=True))
+    sis: SISConfig = field(default_factory=SISConfig)
+    kl_init_coef: float = field(default=0.0, metadata=rng(0.0))
+    entropy_coef: float = field(default=0.0)
+    seed: int = field(default=0, metadata=rng(0))
+    norm_constant: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
+
+    def check(self, err) -> None:
+        if isinstance(self.horizon, int) and self.horizon < 1:
+            err(f"must be an integer >= 1 or 'full', got {self.horizon}", "horizon")
+        if self.tail == "linear" and self.horizon == "full":
+            err("tail: linear needs an integer horizon (the unit-weight prefix); "
+                "with horizon: full there is no tail to decay", "tail")
+        lo, hi = self.is_clip
+        if not 0.0 <= lo <= hi:
+            err(f"must satisfy 0 <= c_lo <= c_hi, got {list(self.is_clip)}", "is_clip")
+        if self.sis.enabled and self.name not in SIS_OBJECTIVES:
+            err(f"SIS modifies the token weight w_t and is defined for {', '.join(SIS_OBJECTIVES)}; "
+                f"objective '{self.name}' has none", "sis.enabled")
+        agg = self.aggregation or DEFAULT_AGGREGATION.get(self.name, "token_mean")
+        if agg == "token_sum_norm" and self.norm_constant is None:
+            err("aggregation token_sum_norm needs norm_constant (e.g. max response length x responses)",
+                "norm_constant")
+        if self.name == "tetpo" and agg == "token_mean":
+            err("tetpo weights whole sequences: use seq_mean or seq_mean_token_mean", "aggregation")
+
+    def resolve(self) -> "ObjectiveConfig":
+        """Return a copy with every per-objective default filled in."""
+        lo, hi = DEFAULT_EPS.get(self.name, (0.2, 0.2))
+        return dataclasses.replace(
+            self,
+            aggregation=self.aggregation or DEFAULT_AGGREGATION.get(self.name, "token_mean"),
+            eps_clip_low=lo if self.eps_clip_low is None else self.eps_clip_low,
+            eps_clip_high=hi if self.eps_clip_high is None else self.eps_clip_high,
+        )
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any] | None = None, *, source: str = "<dict>",
+                  key: str = "objective") -> "ObjectiveConfig":
+        """Strictly validated construction from the run config's `objective:` mapping."""
+        return build(cls, dict(mapping or {}), key=key, source=source).resolve()
+
+    @property
+    def uses_credit(self) -> bool:
+        return self.name in CREDIT_OBJECTIVES

@@ -1,0 +1,103 @@
+"""`TokenBatch`: one packed batch of action tokens, and `LossOutput` (SPEC section 8)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TokenBatch:
+    """Action tokens of M responses, packed in response order (SPEC section 8).
+
+    Tokens of a response are contiguous, responses appear in increasing `response_index`, and
+    `positions` run 1..T_m within each response. Per-token tensors are [N]; SIS fields are [N, K].
+    `logp` is the differentiable learner log-prob; every other tensor is treated as a constant.
+    """
+
+    logp: Tensor
+    logp_behav: Tensor
+    advantages: Tensor
+    response_index: Tensor
+    group_index: Tensor
+    positions: Tensor
+    logp_prox: Optional[Tensor] = None
+    logp_init: Optional[Tensor] = None
+    token_ids: Optional[Tensor] = None
+    topk_ids: Optional[Tensor] = None
+    topk_logp_behav: Optional[Tensor] = None
+    topk_logp: Optional[Tensor] = None
+    response_uid: Optional[Tensor] = None
+    step: int = 0
+    entropy: Optional[Tensor] = None  # [N] differentiable full-vocabulary entropy, for entropy_coef
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.logp.shape[0])
+
+    @property
+    def num_responses(self) -> int:
+        return int(self.group_index.shape[0])
+
+    @property
+    def uids(self) -> Tensor:
+        if self.response_uid is not None:
+            return self.response_uid.to(torch.int64)
+        return torch.arange(self.num_responses, dtype=torch.int64, device=self.logp.device)
+
+    @property
+    def prox(self) -> Tensor:
+        """logp_prox, defaulting to logp_behav (coupled proximal reference)."""
+        return self.logp_behav if self.logp_prox is None else self.logp_prox
+
+    def validate(self, need_sis: bool = False, need_init: bool = False) -> None:
+        """Shape and layout checks; raises ValueError naming the offending field."""
+        n, m = self.num_tokens, self.num_responses
+        for name in ("logp", "logp_behav", "advantages", "response_index", "positions",
+                     "logp_prox", "logp_init", "token_ids", "entropy"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n,):
+                raise ValueError(f"TokenBatch.{name}: expected shape [{n}], got {list(t.shape)}")
+        if self.group_index.dim() != 1:
+            raise ValueError(f"TokenBatch.group_index: expected shape [M], got {list(self.group_index.shape)}")
+        if self.response_uid is not None and tuple(self.response_uid.shape) != (m,):
+            raise ValueError(f"TokenBatch.response_uid: expected shape [{m}], got {list(self.response_uid.shape)}")
+        if n == 0:
+            raise ValueError("TokenBatch: no action tokens")
+        ridx = self.response_index
+        if int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or bool((ridx.diff() < 0).any()) \
+                or bool((ridx.diff() > 1).any()):
+            raise ValueError("TokenBatch.response_index: tokens must be packed in response order, "
+                             "responses 0..M-1 each with at least one token")
+        starts = torch.ones(n, dtype=torch.bool, device=ridx.device)
+        starts[1:] = ridx[1:] != ridx[:-1]
+        steps = self.positions - torch.cat([self.positions.new_zeros(1), self.positions[:-1]])
+        if bool((self.positions[starts] != 1).any()) or bool((steps[~starts] != 1).any()):
+            raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
+        if need_init and self.logp_init is None:
+            raise ValueError("TokenBatch.logp_init: required when kl_init_coef > 0")
+        if need_sis:
+            for name in ("token_ids", "topk_ids", "topk_logp_behav", "topk_logp"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"TokenBatch.{name}: required when sis.enabled")
+            k = self.topk_ids.shape[-1]
+            for name in ("topk_ids", "topk_logp_behav", "topk_logp"):
+                if tuple(getattr(self, name).shape) != (n, k):
+                    raise ValueError(f"TokenBatch.{name}: expected shape [{n}, {k}], "
+                                     f"got {list(getattr(self, name).shape)}")
+
+
+@dataclass
+class LossOutput:
+    """Result of `policy_loss` (SPEC section 8).
+
+    `loss` has the value of the paper's surrogate (negated, aggregated) plus optional terms, and the
+    gradient -(coef / Z) w.r.t. `batch.logp` (SPEC section 2). `coef` is detached, [N].
+    """
+
+    loss: Tensor
+    coef: Tensor
+    normalizer: float
+    metrics: dict[str, float] = field(default_factory=dict)
