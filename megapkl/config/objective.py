@@ -26,6 +26,8 @@ DEFAULT_EPS = {  # (eps_clip_low, eps_clip_high)
 }
 # Objectives whose coefficient contains the token weight w_t, so SIS can replace it (SPEC 4.3).
 SIS_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo")
+# Objectives whose weight is one per sequence; their surrogate value counts once per response.
+SEQUENCE_OBJECTIVES = ("gspo", "tetpo", "gepo")
 # Objectives that use the future-KL credit C_t (SPEC 4.1).
 CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
 
@@ -76,8 +78,9 @@ class ObjectiveConfig:
         if agg == "token_sum_norm" and self.norm_constant is None:
             err("aggregation token_sum_norm needs norm_constant (e.g. max response length x responses)",
                 "norm_constant")
-        if self.name == "tetpo" and agg == "token_mean":
-            err("tetpo weights whole sequences: use seq_mean or seq_mean_token_mean", "aggregation")
+        if self.name in SEQUENCE_OBJECTIVES and agg not in ("seq_mean", "seq_mean_token_mean"):
+            err(f"{self.name} weights whole sequences: use seq_mean or seq_mean_token_mean, not {agg}",
+                "aggregation")
 
     def resolve(self) -> "ObjectiveConfig":
         """Return a copy with every per-objective default filled in."""

@@ -1,0 +1,96 @@
+"""Detached per-token statistics shared by every objective (SPEC sections 1-2), and `Terms`.
+
+`Stats` is built once per loss call; objectives read what they need from it and return `Terms`:
+a detached per-token score coefficient (SPEC section 2) and the surrogate value for logging.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megapkl.config.objective import ObjectiveConfig
+from megapkl.objectives.batch import TokenBatch
+from megapkl.objectives.credit import future_kl_credit
+from megapkl.objectives.segments import response_sum
+from megapkl.objectives.sis import SISResult, sis_accept, uniform_draws
+
+
+def clip_active(x: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """True where min(x A, clip(x, 1-eps_lo, 1+eps_hi) A) has a nonzero gradient (SPEC section 4)."""
+    return ~(((adv > 0) & (x > 1 + eps_high)) | ((adv < 0) & (x < 1 - eps_low)))
+
+
+@dataclass
+class Terms:
+    """What an objective contributes before aggregation.
+
+    coef: [N] detached score coefficient (gradient factor of logp_t before the aggregation weight).
+    value: surrogate value to maximize, per token [N] or, when sequence_level, per response [M].
+    clipped: [N] bool where a clip gate or IS clip is active (for `clip/frac`), or None.
+    """
+
+    coef: Tensor
+    value: Tensor
+    sequence_level: bool = False
+    clipped: Optional[Tensor] = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Stats:
+    """Detached quantities of SPEC section 1 for one batch, computed once."""
+
+    def __init__(self, cfg: ObjectiveConfig, batch: TokenBatch) -> None:
+        self.cfg, self.batch = cfg, batch
+        self.logp = batch.logp.detach()
+        self.dtype = self.logp.dtype
+        self.num_tokens, self.num_responses = batch.num_tokens, batch.num_responses
+        self.ridx = batch.response_index
+        self.logp_behav = batch.logp_behav.detach()
+        self.logp_prox = batch.prox.detach()
+        self.delta = self.logp - self.logp_behav           # log w_t
+        self.w = torch.exp(self.delta)
+        self.l = self.logp - self.logp_prox                # log rho_t
+        self.adv = batch.advantages.detach().to(self.dtype)
+        self.lengths = response_sum(torch.ones_like(self.logp), self.ridx, self.num_responses)
+        self.starts = torch.cumsum(self.lengths, 0).to(torch.int64) - self.lengths.to(torch.int64)
+        self.adv_seq = self.adv[self.starts]               # A_m (constant within a response)
+        self.sis: Optional[SISResult] = self._sis() if cfg.sis.enabled else None
+        self._credit: Optional[Tensor] = None
+
+    def _sis(self) -> SISResult:
+        b = self.batch
+        u = uniform_draws(self.cfg.seed, b.step, b.uids[self.ridx], b.positions)
+        return sis_accept(self.w, b.token_ids, b.topk_ids, b.topk_logp.detach(),
+                          b.topk_logp_behav.detach(), u)
+
+    @property
+    def accepted(self) -> Optional[Tensor]:
+        return None if self.sis is None else self.sis.accepted
+
+    def seq_sum(self, x: Tensor) -> Tensor:
+        return response_sum(x, self.ridx, self.num_responses)
+
+    def tok(self, x_seq: Tensor) -> Tensor:
+        """Broadcast a per-response tensor to its tokens."""
+        return x_seq[self.ridx]
+
+    @property
+    def credit(self) -> Tensor:
+        """Future-KL credit C_t (eq. 5), computed on first use."""
+        if self._credit is None:
+            c = self.cfg
+            self._credit = future_kl_credit(self.l, self.ridx, self.batch.positions,
+                                            self.lengths.to(torch.int64), c.beta, c.horizon,
+                                            c.cost_clip, c.tail)
+        return self._credit
+
+    def sis_weight(self, x: Tensor) -> Tensor:
+        """x with SIS-accepted tokens set to weight 1 (SIS eq. 10); x itself without SIS."""
+        return x if self.sis is None else torch.where(self.sis.accepted, torch.ones_like(x), x)
+
+    def sis_override(self, accepted_value: Tensor, other: Tensor) -> Tensor:
+        """Accepted tokens take `accepted_value` (no correction, no gate), others keep `other`."""
+        return other if self.sis is None else torch.where(self.sis.accepted, accepted_value, other)

@@ -1,0 +1,1 @@
+"""Independent, naive float64 reference of SPEC.md objectives (no imports from megapkl.objectives)."""
