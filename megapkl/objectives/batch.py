@@ -52,6 +52,12 @@ class TokenBatch:
         """logp_prox, defaulting to logp_behav (coupled proximal reference)."""
         return self.logp_behav if self.logp_prox is None else self.logp_prox
 
+    def lengths(self) -> Tensor:
+        """T_m [M] int64 from the packed response_index (searchsorted: responses are in order)."""
+        bounds = torch.searchsorted(self.response_index,
+                                    torch.arange(self.num_responses + 1, device=self.response_index.device))
+        return bounds.diff()
+
     def validate(self, need_sis: bool = False, need_init: bool = False) -> None:
         """Shape and layout checks; raises ValueError naming the offending field."""
         n, m = self.num_tokens, self.num_responses
@@ -66,15 +72,15 @@ class TokenBatch:
             raise ValueError(f"TokenBatch.response_uid: expected shape [{m}], got {list(self.response_uid.shape)}")
         if n == 0:
             raise ValueError("TokenBatch: no action tokens")
+        lengths = self.lengths()
         ridx = self.response_index
-        if int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or bool((ridx.diff() < 0).any()) \
-                or bool((ridx.diff() > 1).any()):
+        lo, hi = torch.aminmax(ridx.diff()) if n > 1 else (ridx.new_zeros(()), ridx.new_zeros(()))
+        if int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or int(lo) < 0 or int(hi) > 1:
             raise ValueError("TokenBatch.response_index: tokens must be packed in response order, "
                              "responses 0..M-1 each with at least one token")
-        starts = torch.ones(n, dtype=torch.bool, device=ridx.device)
-        starts[1:] = ridx[1:] != ridx[:-1]
-        steps = self.positions - torch.cat([self.positions.new_zeros(1), self.positions[:-1]])
-        if bool((self.positions[starts] != 1).any()) or bool((steps[~starts] != 1).any()):
+        starts = torch.cumsum(lengths, 0) - lengths
+        expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
+        if not torch.equal(self.positions.to(torch.int64), expect):
             raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
         if need_init and self.logp_init is None:
             raise ValueError("TokenBatch.logp_init: required when kl_init_coef > 0")

@@ -12,11 +12,6 @@ def clipped_costs(l: Tensor, cost_clip: Optional[float]) -> Tensor:
     return l if cost_clip is None else torch.clamp(l, -cost_clip, cost_clip)
 
 
-def _prefix(x: Tensor) -> Tensor:
-    """P[i] = sum_{k<i} x_k in float64 (length N+1), so range sums do not lose precision."""
-    return torch.nn.functional.pad(torch.cumsum(x.to(torch.float64), 0), (1, 0))
-
-
 def future_kl_credit(l: Tensor, response_index: Tensor, positions: Tensor, lengths: Tensor,
                      beta: float, horizon: Union[int, Literal["full"]],
                      cost_clip: Optional[float], tail: Literal["none", "linear"] = "none") -> Tensor:
@@ -25,22 +20,24 @@ def future_kl_credit(l: Tensor, response_index: Tensor, positions: Tensor, lengt
     Tokens are packed in response order with 1-based `positions`; `lengths` [M] are the T_m.
     `tail='linear'` (PKL C.2, 4B staleness 4) keeps weight 1 on the first H positions and weights
     the remaining n = T_m - t - H + 1 positions j = t+H..T_m by (T_m + 1 - j) / (n + 1).
+    Range sums come from one float64 prefix sum over the whole batch, so precision does not depend
+    on where a response sits in the batch.
     """
     c = clipped_costs(l, cost_clip)
-    n_tok = c.shape[0]
-    idx = torch.arange(n_tok, device=c.device)
-    start = idx - (positions - 1)
-    t_len = lengths[response_index]
-    end = start + t_len  # exclusive
-    p = _prefix(c)
-    if horizon == "full":
-        window_end = end
-    else:
-        window_end = torch.minimum(end, idx + int(horizon))
-    total = p[window_end] - p[idx]
+    ends = torch.cumsum(lengths.to(torch.int64), 0)             # exclusive end of each response
+    p = torch.nn.functional.pad(torch.cumsum(c, 0, dtype=torch.float64), (1, 0))  # P[i] = sum_{k<i}
+    p_here = p[:-1]
+    if horizon == "full" and tail == "none":
+        return (beta * (p.index_select(0, ends).index_select(0, response_index) - p_here)).to(l.dtype)
+    end_tok = ends.index_select(0, response_index)
+    idx = torch.arange(c.shape[0], device=c.device)
+    window_end = end_tok if horizon == "full" else torch.minimum(end_tok, idx + int(horizon))
+    total = p.index_select(0, window_end) - p_here
     if tail == "linear" and horizon != "full":
-        q = _prefix(c * positions.to(c.dtype))
-        n = (end - window_end).to(torch.float64)  # tail positions t+H..T_m (0 when the window covers)
-        weighted = (t_len.to(torch.float64) + 1) * (p[end] - p[window_end]) - (q[end] - q[window_end])
+        q = torch.nn.functional.pad(torch.cumsum(c * positions.to(c.dtype), 0, dtype=torch.float64), (1, 0))
+        p_end, p_win = p.index_select(0, end_tok), p.index_select(0, window_end)
+        t_len = lengths.to(torch.float64).index_select(0, response_index)
+        n = (end_tok - window_end).to(torch.float64)  # tail positions t+H..T_m (0 when the window covers)
+        weighted = (t_len + 1) * (p_end - p_win) - (q.index_select(0, end_tok) - q.index_select(0, window_end))
         total = total + weighted / (n + 1)
     return (beta * total).to(l.dtype)

@@ -14,7 +14,7 @@ from torch import Tensor
 from megapkl.config.objective import ObjectiveConfig
 from megapkl.objectives.batch import TokenBatch
 from megapkl.objectives.credit import future_kl_credit
-from megapkl.objectives.segments import response_sum
+from megapkl.objectives.segments import packed_sum
 from megapkl.objectives.sis import SISResult, sis_accept, uniform_draws
 
 
@@ -54,15 +54,16 @@ class Stats:
         self.w = torch.exp(self.delta)
         self.l = self.logp - self.logp_prox                # log rho_t
         self.adv = batch.advantages.detach().to(self.dtype)
-        self.lengths = response_sum(torch.ones_like(self.logp), self.ridx, self.num_responses)
-        self.starts = torch.cumsum(self.lengths, 0).to(torch.int64) - self.lengths.to(torch.int64)
-        self.adv_seq = self.adv[self.starts]               # A_m (constant within a response)
+        self.lengths_int = batch.lengths()                 # T_m [M] int64
+        self.lengths = self.lengths_int.to(self.dtype)
+        starts = torch.cumsum(self.lengths_int, 0) - self.lengths_int
+        self.adv_seq = self.adv.index_select(0, starts)    # A_m (constant within a response)
         self.sis: Optional[SISResult] = self._sis() if cfg.sis.enabled else None
         self._credit: Optional[Tensor] = None
 
     def _sis(self) -> SISResult:
         b = self.batch
-        u = uniform_draws(self.cfg.seed, b.step, b.uids[self.ridx], b.positions)
+        u = uniform_draws(self.cfg.seed, b.step, self.tok(b.uids), b.positions)
         return sis_accept(self.w, b.token_ids, b.topk_ids, b.topk_logp.detach(),
                           b.topk_logp_behav.detach(), u)
 
@@ -71,11 +72,12 @@ class Stats:
         return None if self.sis is None else self.sis.accepted
 
     def seq_sum(self, x: Tensor) -> Tensor:
-        return response_sum(x, self.ridx, self.num_responses)
+        """Per-response sum [M] of a per-token tensor."""
+        return packed_sum(x, self.lengths_int)
 
     def tok(self, x_seq: Tensor) -> Tensor:
         """Broadcast a per-response tensor to its tokens."""
-        return x_seq[self.ridx]
+        return x_seq.index_select(0, self.ridx)
 
     @property
     def credit(self) -> Tensor:
@@ -83,7 +85,7 @@ class Stats:
         if self._credit is None:
             c = self.cfg
             self._credit = future_kl_credit(self.l, self.ridx, self.batch.positions,
-                                            self.lengths.to(torch.int64), c.beta, c.horizon,
+                                            self.lengths_int, c.beta, c.horizon,
                                             c.cost_clip, c.tail)
         return self._credit
 
