@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -58,8 +58,13 @@ class TokenBatch:
                                     torch.arange(self.num_responses + 1, device=self.response_index.device))
         return bounds.diff()
 
-    def validate(self, need_sis: bool = False, need_init: bool = False) -> None:
-        """Shape and layout checks; raises ValueError naming the offending field."""
+    def validate(self, need_sis: bool = False, need_init: bool = False,
+                 full_lengths: Optional[Tensor] = None) -> None:
+        """Shape and layout checks; raises ValueError naming the offending field.
+
+        Without `full_lengths` the batch must hold whole responses (positions 1..T_m). With it (a
+        context-parallel shard) a response may hold any increasing subset of positions 1..T_m.
+        """
         n, m = self.num_tokens, self.num_responses
         for name in ("logp", "logp_behav", "advantages", "response_index", "positions",
                      "logp_prox", "logp_init", "token_ids", "entropy"):
@@ -72,16 +77,19 @@ class TokenBatch:
             raise ValueError(f"TokenBatch.response_uid: expected shape [{m}], got {list(self.response_uid.shape)}")
         if n == 0:
             raise ValueError("TokenBatch: no action tokens")
-        lengths = self.lengths()
         ridx = self.response_index
         lo, hi = torch.aminmax(ridx.diff()) if n > 1 else (ridx.new_zeros(()), ridx.new_zeros(()))
-        if int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or int(lo) < 0 or int(hi) > 1:
+        if full_lengths is not None:
+            self._validate_shard(full_lengths)
+        elif int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or int(lo) < 0 or int(hi) > 1:
             raise ValueError("TokenBatch.response_index: tokens must be packed in response order, "
                              "responses 0..M-1 each with at least one token")
-        starts = torch.cumsum(lengths, 0) - lengths
-        expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
-        if not torch.equal(self.positions.to(torch.int64), expect):
-            raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
+        else:
+            lengths = self.lengths()
+            starts = torch.cumsum(lengths, 0) - lengths
+            expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
+            if not torch.equal(self.positions.to(torch.int64), expect):
+                raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
         if need_init and self.logp_init is None:
             raise ValueError("TokenBatch.logp_init: required when kl_init_coef > 0")
         if need_sis:
@@ -93,6 +101,18 @@ class TokenBatch:
                 if tuple(getattr(self, name).shape) != (n, k):
                     raise ValueError(f"TokenBatch.{name}: expected shape [{n}, {k}], "
                                      f"got {list(getattr(self, name).shape)}")
+
+    def _validate_shard(self, full_lengths: Tensor) -> None:
+        """Layout of a shard: responses in order, increasing positions within 1..T_m."""
+        ridx, pos, m = self.response_index, self.positions.to(torch.int64), self.num_responses
+        if tuple(full_lengths.shape) != (m,):
+            raise ValueError(f"LossContext.response_lengths: expected shape [{m}], got {list(full_lengths.shape)}")
+        if bool((ridx.diff() < 0).any()) or int(ridx.min()) < 0 or int(ridx.max()) >= m:
+            raise ValueError("TokenBatch.response_index: must be non-decreasing within 0..M-1")
+        same = ridx[1:] == ridx[:-1]
+        if bool((pos < 1).any()) or bool((pos > full_lengths.index_select(0, ridx)).any()) \
+                or bool((pos.diff()[same] <= 0).any()):
+            raise ValueError("TokenBatch.positions: must increase within each response and lie in 1..T_m")
 
 
 @dataclass
@@ -107,3 +127,4 @@ class LossOutput:
     coef: Tensor
     normalizer: float
     metrics: dict[str, float] = field(default_factory=dict)
+    parts: Any = None  # MetricParts: the reducible form of `metrics` (sums, counts, max, min)

@@ -24,5 +24,6 @@ def gepo_weights(l_pi, l_mu, group_index):
 def gepo(s: Stats) -> Terms:
     """coef_t = weight_m A_m active(weight_m, A_m), GSPO-style clipped surrogate."""
     cfg = s.cfg
-    weight = gepo_weights(s.seq_sum(s.logp), s.seq_sum(s.logp_behav), s.batch.group_index).to(s.dtype)
+    table, rows = s.response_table()
+    weight = gepo_weights(table.logp_sum, table.behav_sum, table.group).index_select(0, rows).to(s.dtype)
     return sequence_clip_terms(s, weight, cfg.eps_clip_low, cfg.eps_clip_high)

@@ -1,5 +1,12 @@
-"""Metrics every objective reports (SPEC section 9), as plain floats."""
+"""Metrics every objective reports (SPEC section 9), kept as reducible parts.
+
+A loss call on a shard reports sums and counts (token means, response means), maxima, minima,
+totals (the loss) and already-global values (TETPO group statistics). `MetricParts.merge` combines
+micro-batches; `megapkl.parallel` all-reduces the parts across ranks; `finalize` gives the floats.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -7,38 +14,109 @@ from torch import Tensor
 from megapkl.objectives.stats import Stats, Terms
 
 
-def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss: Tensor) -> dict[str, float]:
+@dataclass
+class MetricParts:
+    sums: dict[str, float] = field(default_factory=dict)     # mean = sums / counts
+    counts: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)   # summed over shards, not averaged
+    values: dict[str, float] = field(default_factory=dict)   # identical on every shard
+
+    def merge(self, other: "MetricParts") -> "MetricParts":
+        out = MetricParts(dict(self.sums), dict(self.counts), dict(self.maxes), dict(self.mins),
+                          dict(self.totals), dict(self.values))
+        for k, v in other.sums.items():
+            out.sums[k] = out.sums.get(k, 0.0) + v
+            out.counts[k] = out.counts.get(k, 0.0) + other.counts[k]
+        for k, v in other.maxes.items():
+            out.maxes[k] = max(out.maxes.get(k, -float("inf")), v)
+        for k, v in other.mins.items():
+            out.mins[k] = min(out.mins.get(k, float("inf")), v)
+        for k, v in other.totals.items():
+            out.totals[k] = out.totals.get(k, 0.0) + v
+        out.values.update(other.values)
+        return out
+
+    def finalize(self) -> dict[str, float]:
+        out = {k: (v / self.counts[k] if self.counts[k] else 0.0) for k, v in self.sums.items()}
+        out.update(self.maxes)
+        out.update(self.mins)
+        out.update(self.totals)
+        out.update(self.values)
+        return out
+
+
+class _Builder:
+    """Collects tensors, then converts them to floats in one host transfer."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, Tensor]] = []
+
+    def add(self, kind: str, name: str, value: Tensor) -> None:
+        self.items.append((kind, name, torch.as_tensor(value).detach().to(torch.float64).reshape(())))
+
+    def mean(self, name: str, values: Tensor, mask: Tensor | None = None) -> None:
+        v = values.to(torch.float64)
+        if mask is None:
+            self.add("sum", name, v.sum())
+            self.add("count", name, torch.tensor(float(v.numel())))
+        else:
+            self.add("sum", name, v[mask].sum())
+            self.add("count", name, mask.sum())
+
+    def build(self) -> MetricParts:
+        parts = MetricParts()
+        if not self.items:
+            return parts
+        floats = torch.stack([t for _, _, t in self.items]).tolist()
+        target = {"sum": parts.sums, "count": parts.counts, "max": parts.maxes, "min": parts.mins,
+                  "total": parts.totals, "value": parts.values}
+        for (kind, name, _), x in zip(self.items, floats):
+            target[kind][name] = x
+        return parts
+
+
+def _max(b: _Builder, name: str, x: Tensor, default: float = -float("inf")) -> None:
+    b.add("max", name, x.max() if x.numel() else torch.tensor(default))
+
+
+def _min(b: _Builder, name: str, x: Tensor, default: float = float("inf")) -> None:
+    b.add("min", name, x.min() if x.numel() else torch.tensor(default))
+
+
+def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) -> MetricParts:
     """Loss, coefficient, IS, proximal-KL, clip, SIS and objective-specific statistics."""
+    b = _Builder()
     d = s.logp_prox - s.logp
     abs_delta = s.delta.abs()
-    out: dict[str, Tensor] = {
-        "loss": loss,
-        "coef/mean": coef.mean(),
-        "coef/abs_max": coef.abs().max(),
-        "is/w_mean": s.w.mean(),
-        "is/w_max": s.w.max(),
-        "is/w_min": s.w.min(),
-        "is/log_dev": s.seq_sum(abs_delta).mean(),
-        "kl/prox_k3": (torch.exp(d) - d - 1).mean(),
-    }
+    b.add("total", "loss", loss_value)
+    b.mean("coef/mean", coef)
+    _max(b, "coef/abs_max", coef.abs())
+    b.mean("is/w_mean", s.w)
+    _max(b, "is/w_max", s.w)
+    _min(b, "is/w_min", s.w)
+    b.mean("is/log_dev", s.seq_sum(abs_delta), s.owned)
+    b.mean("kl/prox_k3", torch.exp(d) - d - 1)
     if terms.clipped is not None:
-        out["clip/frac"] = terms.clipped.to(s.dtype).mean()
+        b.mean("clip/frac", terms.clipped)
     if s.cfg.uses_credit:
-        c, eps = s.credit, s.cfg.cost_clip
-        out["pkl/cost_clip_frac"] = (s.l.abs() > eps).to(s.dtype).mean() if eps is not None \
-            else torch.zeros((), dtype=s.dtype)
-        out["pkl/credit_mean"] = c.mean()
-        out["pkl/credit_abs_max"] = c.abs().max()
+        eps = s.cfg.cost_clip
+        b.mean("pkl/cost_clip_frac", s.l.abs() > eps if eps is not None else torch.zeros_like(s.l))
+        b.mean("pkl/credit_mean", s.credit)
+        _max(b, "pkl/credit_abs_max", s.credit.abs())
     if s.sis is not None:
         z = s.sis.accepted
-        out["sis/accept_rate"] = z.to(s.dtype).mean()
-        out["sis/log_dev"] = s.seq_sum(torch.where(z, torch.zeros_like(abs_delta), abs_delta)).mean()
-        out["sis/xi_k"] = s.sis.xi_k.mean()
+        b.mean("sis/accept_rate", z)
+        b.mean("sis/log_dev", s.seq_sum(torch.where(z, torch.zeros_like(abs_delta), abs_delta)), s.owned)
+        b.mean("sis/xi_k", s.sis.xi_k)
     if s.cfg.kl_init_coef > 0:
-        out["kl/init_k3"] = (torch.exp(s.batch.logp_init.detach() - s.logp)
-                             - (s.batch.logp_init.detach() - s.logp) - 1).mean()
+        di = s.batch.logp_init.detach() - s.logp
+        b.mean("kl/init_k3", torch.exp(di) - di - 1)
     if s.batch.entropy is not None:
-        out["entropy"] = s.batch.entropy.detach().mean()
-    out.update(terms.metrics)
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out.values()]).tolist()
-    return dict(zip(out.keys(), values))
+        b.mean("entropy", s.batch.entropy.detach())
+    for name, x in terms.token_metrics.items():
+        b.mean(name, x)
+    for name, x in terms.metrics.items():
+        b.add("value", name, x)
+    return b.build()

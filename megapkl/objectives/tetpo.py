@@ -66,10 +66,15 @@ def temper_groups(L: Tensor, group_index: Tensor, kappa: float, n_iter: int) -> 
 
 
 def tetpo(s: Stats) -> Terms:
-    """coef = wt_m A_m active(wt_m, A_m): straight-through tempered sequence weight (TETPO eq. 7)."""
+    """coef = wt_m A_m active(wt_m, A_m): straight-through tempered sequence weight (TETPO eq. 7).
+
+    Groups are tempered over all their members in the minibatch (the response table), wherever
+    those members sit; the group metrics are therefore global.
+    """
     cfg = s.cfg
-    t = temper(s.seq_sum(s.delta), s.batch.group_index, cfg.kappa, cfg.bisection_steps)
-    wt = t.weights.to(s.dtype)
+    table, rows = s.response_table()
+    t = temper(table.delta_sum, table.group, cfg.kappa, cfg.bisection_steps)
+    wt = t.weights.index_select(0, rows).to(s.dtype)
     adv = s.adv_seq
     active = clip_active(wt, adv, cfg.eps_clip_low, cfg.eps_clip_high)
     clipped = torch.clamp(wt, 1 - cfg.eps_clip_low, 1 + cfg.eps_clip_high)
