@@ -15,12 +15,21 @@ from typing import Any, Callable, Literal, Union
 
 
 class ConfigError(ValueError):
-    """A config problem. `key` is the dotted key, `source` the file (or '<dict>', '<override>')."""
+    """A config problem. `key` is the dotted key, `source` the file (or '<dict>', '<override>').
 
-    def __init__(self, message: str, key: str = "", source: str = "") -> None:
+    `line` (1-based, optional) is where in `source` the key was written; `related` names further dotted
+    keys of a cross-field conflict; `detail` is the bare message, so a loader can re-attribute the
+    error to the file that introduced the key without parsing the formatted text.
+    """
+
+    def __init__(self, message: str, key: str = "", source: str = "", *, line: int | None = None,
+                 related: tuple[str, ...] = ()) -> None:
         self.key = key
         self.source = source
-        where = f"{source}: " if source else ""
+        self.line = line
+        self.related = tuple(related)
+        self.detail = message
+        where = f"{source}:{line}: " if source and line else (f"{source}: " if source else "")
         at = f"{key}: " if key else ""
         super().__init__(f"{where}{at}{message}")
 
@@ -81,8 +90,17 @@ def convert(tp: Any, value: Any, key: str, source: str) -> Any:
             try:
                 return convert(arg, value, key, source)
             except ConfigError as exc:
-                errors.append(exc)
-        _fail(f"expected {type_name(tp)}, got {value!r}", key, source)
+                errors.append((arg, exc))
+        # A mapping meant for a section: its own error (unknown key, bad value) is the useful one.
+        for arg, exc in errors:
+            if isinstance(value, dict) and dataclasses.is_dataclass(arg):
+                raise exc
+        hint = ""
+        if isinstance(value, str):
+            words = [str(a) for arg, _ in errors if typing.get_origin(arg) is Literal
+                     for a in typing.get_args(arg)]
+            hint = suggest(value, words)
+        _fail(f"expected {type_name(tp)}, got {value!r}{hint}", key, source)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value in allowed and type(value) in {type(a) for a in allowed}:
@@ -151,15 +169,19 @@ def build(cls: type, mapping: typing.Mapping[str, Any], *, key: str = "", source
             _fail(f"unknown key '{name}'{suggest(str(name), fields)}", join(key, str(name)), source)
     kwargs = {}
     for name, f in fields.items():
+        sub = join(key, name)
         if name in mapping:
-            sub = join(key, name)
             kwargs[name] = convert(hints[name], mapping[name], sub, source)
             check_range(kwargs[name], f.metadata, sub, source)
+        elif dataclasses.is_dataclass(hints[name]):
+            # An absent section is built from {} so that its own `check` still runs.
+            kwargs[name] = build(hints[name], {}, key=sub, source=source)
     obj = cls(**kwargs)
     checker: Callable[..., None] | None = getattr(obj, "check", None)
     if checker is not None:
-        def err(msg: str, field_name: str = "") -> typing.NoReturn:
-            _fail(msg, join(key, field_name) if field_name else key, source)
+        def err(msg: str, field_name: str = "", *related: str) -> typing.NoReturn:
+            raise ConfigError(msg, key=join(key, field_name) if field_name else key, source=source,
+                              related=tuple(join(key, r) for r in related))
         checker(err)
     return obj
 

@@ -1,0 +1,208 @@
+"""Run-config sections for optimization, data, rewards, evaluation, logging, checkpoints and Slurm.
+
+Same conventions as `sections.py`: strict dataclasses, own-field rules in `check(err)`, cross-section
+rules in `megapkl.config.run`. Defaults cite SPEC section 10 / the paper appendix they come from.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from megapkl.config.typed import rng
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+# sbatch --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer and schedule; `steps` counts optimizer updates (SPEC 10: Adam, clip 1)."""
+
+    steps: int = field(default=2000, metadata=rng(1))  # PKL C.2: 1.7B evaluated at 2,000 updates
+    lr: float = field(default=1e-6, metadata=rng(0.0, lo_open=True))  # PKL Table 4
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # PKL C.2: constant
+    warmup_steps: int = field(default=0, metadata=rng(0))
+    min_lr: float = field(default=0.0, metadata=rng(0.0))  # cosine floor
+    adam_beta1: float = field(default=0.9, metadata=rng(0.0, 1.0, hi_open=True))  # PKL C.2
+    adam_beta2: float = field(default=0.999, metadata=rng(0.0, 1.0, hi_open=True))
+    adam_eps: float = field(default=1e-8, metadata=rng(0.0, lo_open=True))
+    weight_decay: float = field(default=0.0, metadata=rng(0.0))  # PKL C.2: none
+    grad_clip: Optional[float] = field(default=1.0, metadata=rng(0.0, lo_open=True))  # null: off
+    # A non-finite loss or gradient skips the update; this many in a row stops the run.
+    max_nan_skips_in_row: int = field(default=3, metadata=rng(0))
+    seed: Optional[int] = field(default=None, metadata=rng(0))  # unset: the run's seed
+
+    def check(self, err) -> None:
+        if self.warmup_steps >= self.steps:
+            err(f"must be < train.steps ({self.steps}), got {self.warmup_steps}", "warmup_steps",
+                "steps")
+        if self.min_lr > self.lr:
+            err(f"must be <= train.lr ({self.lr}), got {self.min_lr}", "min_lr", "lr")
+
+
+@dataclass
+class DataConfig:
+    """Training prompts: a JSONL/Parquet file, or a named synthetic task (CPU demo, tests)."""
+
+    train_path: Optional[str] = None
+    synthetic: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "qwen_math"  # how a raw problem becomes the model prompt
+    shuffle: bool = True
+    seed: Optional[int] = field(default=None, metadata=rng(0))  # unset: the run's seed
+    max_prompts: Optional[int] = field(default=None, metadata=rng(1))  # use only the first n
+
+    def check(self, err) -> None:
+        if self.train_path is None and self.synthetic is None:
+            err("set data.train_path (a JSONL/Parquet file) or data.synthetic (a task name)",
+                "train_path")
+        if self.train_path is not None and self.synthetic is not None:
+            err("data.train_path and data.synthetic are exclusive; set the other to null",
+                "synthetic", "train_path")
+        if self.train_path is not None and not self.train_path.endswith(DATA_SUFFIXES):
+            err(f"expected a {' / '.join(DATA_SUFFIXES)} file, got '{self.train_path}'", "train_path")
+
+
+@dataclass
+class RewardConfig:
+    """Verifier reward: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
+
+    `type` unset follows the data: 'synthetic' for a synthetic task, else 'math' (boxed answer).
+    """
+
+    type: Optional[Literal["math", "synthetic"]] = None
+    correct: float = 1.0
+    incorrect: float = -1.0
+
+    def check(self, err) -> None:
+        if self.correct <= self.incorrect:
+            err(f"must be > reward.incorrect ({self.incorrect}), got {self.correct}", "correct",
+                "incorrect")
+
+
+@dataclass
+class BenchmarkConfig:
+    """One evaluation set; unset fields take the `eval:` section's values."""
+
+    name: str = ""
+    greedy: Optional[bool] = None
+    n_samples: Optional[int] = field(default=None, metadata=rng(1))
+    path: Optional[str] = None  # default: <eval.data_dir>/<name>.jsonl
+
+    def check(self, err) -> None:
+        if not self.name:
+            err("every benchmark needs a name", "name")
+        if self.greedy and self.n_samples not in (None, 1):
+            err(f"greedy decoding gives one distinct answer: n_samples must be 1, got "
+                f"{self.n_samples}", "n_samples", "greedy")
+
+
+def _paper_benchmarks() -> list[Union[BenchmarkConfig, str]]:
+    """PKL 6.1 / C.1: greedy pass@1 on four sets, mean@16 (and pass@16) on AIME/AMC."""
+    greedy = ["math500", "olympiadbench", "minerva_math", "gaokao2023en"]
+    sampled = ["aime24", "aime25", "amc23", "amc24"]
+    return [BenchmarkConfig(name=n, greedy=True, n_samples=1) for n in greedy] + \
+        [BenchmarkConfig(name=n, greedy=False, n_samples=16) for n in sampled]
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation every `every` updates (0: off). A benchmark is a name or a mapping
+    {name, greedy, n_samples, path}; the resolved config always shows the full mappings."""
+
+    every: int = field(default=0, metadata=rng(0))
+    at_start: bool = False
+    benchmarks: list[Union[BenchmarkConfig, str]] = field(default_factory=_paper_benchmarks)
+    n_samples: int = field(default=16, metadata=rng(1))  # k for mean@k / pass@k
+    greedy: bool = False
+    temperature: float = field(default=1.0, metadata=rng(0.0, lo_open=True))
+    top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))
+    top_k: int = field(default=-1, metadata=rng(-1))
+    max_response_len: Optional[int] = field(default=None, metadata=rng(1))  # unset: rollout's
+    data_dir: str = "data/eval"
+
+    def check(self, err) -> None:
+        names = [b.name if isinstance(b, BenchmarkConfig) else b for b in self.benchmarks]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            err(f"duplicate benchmark(s): {', '.join(dup)}", "benchmarks")
+        if self.top_k == 0:
+            err("must be -1 (off) or >= 1, got 0", "top_k")
+
+    def resolved_benchmarks(self) -> list[BenchmarkConfig]:
+        out = []
+        for b in self.benchmarks:
+            b = BenchmarkConfig(name=b) if isinstance(b, str) else b
+            greedy = self.greedy if b.greedy is None else b.greedy
+            n = b.n_samples if b.n_samples is not None else (1 if greedy else self.n_samples)
+            out.append(BenchmarkConfig(name=b.name, greedy=greedy, n_samples=n, path=b.path))
+        return out
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics output (SPEC section 9 names); curves smoothed with EMA alpha (SPEC 11: 0.10)."""
+
+    jsonl: bool = True
+    tensorboard: bool = False
+    every: int = field(default=1, metadata=rng(1))
+    ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
+    progress_bar: bool = True
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing. `every` 0 saves only at the end; `keep` null keeps all; `resume` true picks
+    the latest checkpoint in `dir`, a string names one."""
+
+    dir: Optional[str] = None  # unset: <run_dir>/checkpoints
+    every: int = field(default=100, metadata=rng(0))
+    keep: Optional[int] = field(default=3, metadata=rng(1))
+    resume: Union[bool, str] = False
+    save_optimizer: bool = True
+    export_hf: bool = False  # also write a HF-format copy of the final weights
+
+    def check(self, err) -> None:
+        if isinstance(self.resume, str) and not self.resume.strip():
+            err("must be true, false or a checkpoint path", "resume")
+
+
+@dataclass
+class SlurmConfig:
+    """Where `megapkl submit` runs the job. The trainer world size is known when both `nodes` and
+    `gpus_per_node` are set (minus SGLang GPUs when engines are not colocated); a local run leaves
+    them null. Cluster profiles (a later issue) fill the rest by `profile` name."""
+
+    profile: Optional[str] = None
+    nodes: Optional[int] = field(default=None, metadata=rng(1))
+    gpus_per_node: Optional[int] = field(default=None, metadata=rng(1))
+    cpus_per_task: Optional[int] = field(default=None, metadata=rng(1))
+    mem: Optional[str] = None  # e.g. '0' (all) or '500G'
+    time: str = "04:00:00"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    job_name: Optional[str] = None  # unset: the run name
+    exclusive: bool = True
+    setup: list[str] = field(default_factory=list)  # shell lines run before the trainer
+    extra: dict[str, Any] = field(default_factory=dict)  # extra sbatch parameters
+
+    def check(self, err) -> None:
+        if not _SLURM_TIME.match(self.time):
+            err(f"expected a Slurm time such as '04:00:00' or '1-12:00:00', got '{self.time}'",
+                "time")
+        if (self.nodes is None) != (self.gpus_per_node is None):
+            missing = "gpus_per_node" if self.gpus_per_node is None else "nodes"
+            err(f"slurm.nodes and slurm.gpus_per_node go together; set slurm.{missing} too",
+                missing, "nodes" if missing == "gpus_per_node" else "gpus_per_node")
+
+    @property
+    def total_gpus(self) -> Optional[int]:
+        if self.nodes is None or self.gpus_per_node is None:
+            return None
+        return self.nodes * self.gpus_per_node
