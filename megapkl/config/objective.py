@@ -72,8 +72,8 @@ class ObjectiveConfig:
         if not 0.0 <= lo <= hi:
             err(f"must satisfy 0 <= c_lo <= c_hi, got {list(self.is_clip)}", "is_clip")
         if self.sis.enabled and self.name not in SIS_OBJECTIVES:
-            err(f"SIS modifies the token weight w_t and is defined for {', '.join(SIS_OBJECTIVES)}; "
-                f"objective '{self.name}' has none", "sis.enabled")
+            err(f"SIS replaces the token weight w_t of {', '.join(SIS_OBJECTIVES)} (SPEC 4.3); "
+                f"it is not defined for objective '{self.name}'", "sis.enabled")
         agg = self.aggregation or DEFAULT_AGGREGATION.get(self.name, "token_mean")
         if agg == "token_sum_norm" and self.norm_constant is None:
             err("aggregation token_sum_norm needs norm_constant (e.g. max response length x responses)",

@@ -59,7 +59,7 @@ class TokenBatch:
         return bounds.diff()
 
     def validate(self, need_sis: bool = False, need_init: bool = False,
-                 full_lengths: Optional[Tensor] = None) -> None:
+                 full_lengths: Optional[Tensor] = None, need_entropy: bool = False) -> None:
         """Shape and layout checks; raises ValueError naming the offending field.
 
         Without `full_lengths` the batch must hold whole responses (positions 1..T_m). With it (a
@@ -90,6 +90,8 @@ class TokenBatch:
             expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
             if not torch.equal(self.positions.to(torch.int64), expect):
                 raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
+        if need_entropy and self.entropy is None:
+            raise ValueError("TokenBatch.entropy: required when entropy_coef != 0")
         if need_init and self.logp_init is None:
             raise ValueError("TokenBatch.logp_init: required when kl_init_coef > 0")
         if need_sis:

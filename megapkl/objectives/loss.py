@@ -55,7 +55,7 @@ def policy_loss(cfg: ObjectiveConfig, batch: TokenBatch, ctx: Optional[LossConte
     ctx = ctx or LossContext()
     if validate:
         batch.validate(need_sis=cfg.sis.enabled, need_init=cfg.kl_init_coef > 0,
-                       full_lengths=ctx.response_lengths)
+                       full_lengths=ctx.response_lengths, need_entropy=cfg.entropy_coef != 0)
     s = Stats(cfg, batch, ctx)
     terms = get_objective(cfg.name)(s)
     a, z = aggregation(cfg, s)
@@ -72,7 +72,7 @@ def policy_loss(cfg: ObjectiveConfig, batch: TokenBatch, ctx: Optional[LossConte
     coef = coef.detach()
     score = -(coef * batch.logp).sum() / z
     loss = score + (value.detach() - score.detach())
-    if cfg.entropy_coef != 0 and batch.entropy is not None:
+    if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * _weighted(batch.entropy, a).sum() / z
     parts = collect_metrics(s, terms, coef, loss.detach())
     return LossOutput(loss=loss, coef=coef, normalizer=z, metrics=parts.finalize(), parts=parts)

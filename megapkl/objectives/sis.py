@@ -76,6 +76,7 @@ def sis_accept(w: Tensor, token_ids: Tensor, topk_ids: Tensor, topk_logp: Tensor
     log_m = (topk_logp - topk_logp_behav).amax(dim=-1)
     in_topk = (topk_ids == token_ids.unsqueeze(-1)).any(dim=-1)
     accept_prob = torch.exp(torch.log(w) - log_m)  # <= 1 for tokens in the top-K (w_t is one of them)
-    accepted = in_topk & (u.to(accept_prob.dtype) < accept_prob)
+    # Compare in float64: a float32 u rounds values within 2^-25 of 1 up to 1.0.
+    accepted = in_topk & (u < accept_prob.to(torch.float64))
     xi_k = 1.0 - torch.exp(topk_logp).sum(dim=-1)
     return SISResult(accepted=accepted, xi_k=xi_k)
