@@ -1,0 +1,1 @@
+"""Explicit process groups, the megatron-core CPU compatibility layer and vocab-parallel ops."""

@@ -1,0 +1,190 @@
+"""Explicit process groups, taken once from megatron-core and passed to the math.
+
+megatron-core keeps its process groups in module globals (`parallel_state`). Code in
+megapkl that reduces across ranks never reads those globals: it receives a `ParallelGroups`
+bundle (or a single group from it) as an argument, so the same function works for any
+layout, and in a single process with `ParallelGroups.single()` (all groups None, sizes 1).
+
+A group of None always means "no communication: this rank holds everything".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def group_size(group: ProcessGroup) -> int:
+    """World size of `group`; 1 for None (single process semantics)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank inside `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups and this rank's coordinates in each of them.
+
+    tp: tensor parallel (vocab-sharded logits, sharded linear layers)
+    pp: pipeline parallel stages
+    cp: context parallel (a sequence split across ranks)
+    dp: data parallel, without the CP ranks
+    dp_cp: data parallel including CP ranks (what gradients and global token counts reduce over)
+    ep: expert parallel (MoE)
+    world: all ranks
+    """
+
+    world: ProcessGroup
+    tp: ProcessGroup
+    pp: ProcessGroup
+    cp: ProcessGroup
+    dp: ProcessGroup
+    dp_cp: ProcessGroup
+    ep: ProcessGroup
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+    dp_cp_rank: int
+    dp_cp_size: int
+    ep_rank: int
+    ep_size: int
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_groups(cls, *, world: ProcessGroup, tp: ProcessGroup, pp: ProcessGroup,
+                    cp: ProcessGroup, dp: ProcessGroup, dp_cp: ProcessGroup,
+                    ep: ProcessGroup) -> "ParallelGroups":
+        """Bundle explicit groups, reading each rank/size from the group itself."""
+        named = dict(tp=tp, pp=pp, cp=cp, dp=dp, dp_cp=dp_cp, ep=ep)
+        coords = {}
+        for name, group in named.items():
+            coords[f"{name}_rank"] = group_rank(group)
+            coords[f"{name}_size"] = group_size(group)
+        # world=None is the single-process bundle; otherwise ranks come from the default group.
+        return cls(world=world, **named, rank=group_rank(world), world_size=group_size(world),
+                   **coords)
+
+    @classmethod
+    def single(cls) -> "ParallelGroups":
+        """Everything on this process: every group None, every size 1."""
+        return cls.from_groups(world=None, tp=None, pp=None, cp=None, dp=None, dp_cp=None,
+                               ep=None)
+
+    @classmethod
+    def from_megatron(cls) -> "ParallelGroups":
+        """Read the groups megatron-core created in `initialize_model_parallel`."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("megatron model parallel is not initialized")
+        return cls.from_groups(
+            world=dist.group.WORLD,
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
+            cp=ps.get_context_parallel_group(),
+            dp=ps.get_data_parallel_group(with_context_parallel=False),
+            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+            ep=ps.get_expert_model_parallel_group(),
+        )
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    *,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+    seed: Optional[int] = None,
+    backend: Optional[str] = None,
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_minutes: int = 30,
+    order: str = "tp-cp-ep-dp-pp",
+) -> ParallelGroups:
+    """Initialize torch.distributed (if needed) and megatron model parallel; return the groups.
+
+    The data-parallel size is whatever is left: world_size / (tp * pp * cp). Without CUDA the
+    megatron CPU compatibility layer is installed first and the backend defaults to gloo
+    (nccl otherwise). `init_method`/`rank`/`world_size` default to torchrun's environment.
+    A previous megatron model-parallel state is destroyed, so this can be called again with
+    another layout in the same process. `seed` seeds torch and megatron's RNG tracker
+    (`model_parallel_cuda_manual_seed`), giving TP ranks distinct model-parallel streams.
+    """
+    from megapkl.parallel import compat
+
+    compat.install()
+    if not dist.is_initialized():
+        _init_process_group(backend, init_method, rank, world_size, timeout_minutes)
+
+    from megatron.core import parallel_state as ps
+
+    _check_layout(dist.get_world_size(), tp, pp, cp, ep, tp if etp is None else etp)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=timeout_minutes,
+        order=order,
+    )
+    if seed is not None:
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return ParallelGroups.from_megatron()
+
+
+def _init_process_group(backend, init_method, rank, world_size, timeout_minutes) -> None:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(
+        backend,
+        init_method=init_method or "env://",
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        **kwargs,
+    )
+
+
+def _check_layout(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
+    # megatron asserts these too, with messages that do not name the sizes.
+    model = tp * pp * cp
+    if world_size % model:
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {model}")
+    per_stage = world_size // pp  # the ranks of one pipeline stage hold all experts
+    if per_stage % (etp * ep):
+        raise ValueError(f"etp*ep = {etp}*{ep} does not divide world/pp = {per_stage}")
