@@ -35,7 +35,7 @@ CASES = [
     ("enum-horizon", "objective:\n  horizon: fulll\n", [], "objective.horizon", "run.yaml", 3,
      "did you mean 'full'"),
     ("staleness-missing", "rollout:\n  protocol: controlled_staleness\n", [],
-     "rollout.max_staleness", "run.yaml", 3, "max_staleness >= 1"),
+     "rollout.max_staleness", "run.yaml", 3, "max_staleness >= 0"),
     ("pool-too-small", "rollout:\n  protocol: uniform_stale\n  max_staleness: 32\n"
      "  snapshot_pool: 16\n", [], "rollout.snapshot_pool", "run.yaml", 5, ">= 32"),
     ("on-policy-refresh", "rollout:\n  protocol: on_policy\n  refresh_every: 64\n", [],
@@ -87,7 +87,7 @@ CASES = [
     ("override-type", "", ["train.steps=abc"], "train.steps", "<override>", None,
      "expected an integer"),
     ("override-conflict", "", ["rollout.protocol=controlled_staleness"], "rollout.max_staleness",
-     "<override>", None, "max_staleness >= 1"),
+     "<override>", None, "max_staleness >= 0"),
     ("override-no-equals", "", ["objective.beta"], "", "<override>", None, "KEY=VALUE"),
     ("override-bad-yaml", "", ["objective.is_clip=[0,5"], "objective.is_clip", "<override>", None,
      "cannot parse"),

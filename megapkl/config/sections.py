@@ -221,8 +221,11 @@ class RolloutConfig:
         if p in ("on_policy", "controlled_staleness") and n not in (None, 1):
             err(f"protocol {p} pushes weights after every update; refresh_every must be 1 or null, "
                 f"got {n}", "refresh_every", "protocol")
-        if p in ("controlled_staleness", "uniform_stale") and (k is None or k < 1):
-            err(f"protocol {p} needs max_staleness >= 1 (k; PKL C: 4 or 16, TETPO: 32), got "
+        # Controlled staleness allows k = 0 (PKL C: the zero-staleness runs still reuse each batch
+        # for 4 minibatches); uniform staleness draws lags from Uniform{1..k}, so k >= 1.
+        least = 0 if p == "controlled_staleness" else 1
+        if p in ("controlled_staleness", "uniform_stale") and (k is None or k < least):
+            err(f"protocol {p} needs max_staleness >= {least} (k; PKL C: 0, 4 or 16, TETPO: 32), got "
                 f"{'null' if k is None else k}",
                 "max_staleness", "protocol")
         if p == "uniform_stale":
