@@ -1,0 +1,1 @@
+"""The RL train loop, protocol schedules, logging and plots."""

@@ -1,0 +1,92 @@
+"""`megapkl plot RUN_DIR...`: EMA-smoothed curves of one or several runs into PNG files.
+
+One PNG per metric (accuracy, reward, entropy, grad norm, IS statistics, ...), every run a line,
+raw values faint behind the smoothed curve (EMA alpha 0.1 by default, SPEC 11), plus one
+`overview.png` grid with the main panels.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from megapkl.train.metrics_log import read_metrics
+
+DEFAULT_METRICS = ("train/accuracy", "reward/mean", "entropy", "grad_norm", "is/w_mean", "is/w_max",
+                   "is/log_dev", "kl/prox_k3", "clip/frac", "pkl/credit_mean", "sis/accept_rate",
+                   "tetpo/alpha_mean", "response_len/mean", "staleness/mean", "loss")
+
+
+def ema(values: Sequence[float], alpha: float) -> list[float]:
+    """s_0 = x_0, s_t = alpha x_t + (1 - alpha) s_{t-1}; non-finite values are carried over."""
+    out, s = [], None
+    for x in values:
+        if x is None or not math.isfinite(x):
+            out.append(s if s is not None else math.nan)
+            continue
+        s = x if s is None else alpha * x + (1 - alpha) * s
+        out.append(s)
+    return out
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    steps, vals = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)):
+            steps.append(int(r["step"]))
+            vals.append(float(v))
+    return steps, vals
+
+
+def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: float = 0.1,
+              metrics: Sequence[str] = DEFAULT_METRICS, labels: Sequence[str] | None = None) -> list[Path]:
+    """Write one PNG per metric present in any run, and overview.png; returns the files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dirs = [Path(d) for d in run_dirs]
+    runs = [(lbl, read_metrics(d)) for lbl, d in zip(labels or [d.name for d in run_dirs], run_dirs)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    present = [m for m in metrics if any(_series(rows, m)[0] for _, rows in runs)]
+    written = []
+    for m in present:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _draw(ax, runs, m, alpha)
+        path = out / (m.replace("/", "_") + ".png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    if present:
+        main = present[:6]
+        cols = 3 if len(main) > 2 else len(main)
+        rows_n = math.ceil(len(main) / cols)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n), squeeze=False)
+        for ax, m in zip(axes.flat, main):
+            _draw(ax, runs, m, alpha)
+        for ax in list(axes.flat)[len(main):]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out / "overview.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _draw(ax, runs, metric: str, alpha: float) -> None:
+    for i, (label, rows) in enumerate(runs):
+        steps, vals = _series(rows, metric)
+        if not steps:
+            continue
+        color = f"C{i % 10}"
+        ax.plot(steps, vals, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, ema(vals, alpha), color=color, linewidth=1.8, label=label)
+    ax.set_title(f"{metric} (EMA {alpha})")
+    ax.set_xlabel("optimizer update")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
