@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megapkl.objectives.segments import group_ids, group_logsumexp
+from megapkl.objectives.segments import group_ids
 from megapkl.objectives.stats import Stats, Terms, clip_active
 
 
-def log_ess(alpha: Tensor, L: Tensor, dense: Tensor, num_groups: int) -> Tensor:
-    """log ESS_g(alpha) = 2 LSE(alpha L) - LSE(2 alpha L), per group; alpha is per group."""
-    a = alpha[dense] * L
-    return 2 * group_logsumexp(a, dense, num_groups) - group_logsumexp(2 * a, dense, num_groups)
+def log_ess(alpha: Tensor, L: Tensor, valid: Tensor) -> Tensor:
+    """log ESS_g(alpha) = 2 LSE(alpha L) - LSE(2 alpha L) per group; L is [groups, G_max] padded."""
+    a = torch.where(valid, alpha.unsqueeze(-1) * L, -torch.inf)
+    return 2 * torch.logsumexp(a, dim=-1) - torch.logsumexp(2 * a, dim=-1)
 
 
 @dataclass
@@ -31,32 +31,46 @@ class Tempering:
     dense: Tensor         # [M] dense group id of each response
 
 
+def _pad_groups(L: Tensor, dense: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Members of each group as rows of a [groups, G_max] matrix (so the bisection is dense math)."""
+    order = torch.argsort(dense, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(L.numel(), device=L.device) - starts.index_select(0, dense.index_select(0, order))
+    mat = L.new_zeros((counts.numel(), int(counts.max())))
+    valid = torch.zeros(mat.shape, dtype=torch.bool, device=L.device)
+    rows = dense.index_select(0, order)
+    mat[rows, slot] = L.index_select(0, order)
+    valid[rows, slot] = True
+    where = torch.empty_like(order)
+    where[order] = slot
+    return mat, valid, where
+
+
 def temper(L: Tensor, group_index: Tensor, kappa: float, n_iter: int) -> Tempering:
     """Target-ESS exponent per group by bisection on [0, 1] (Thm. 2), and the tempered weights."""
     L = L.to(torch.float64)
     dense, counts = group_ids(group_index)
-    ng = counts.shape[0]
-    log_target = torch.log(kappa * counts.to(torch.float64))
-    ones = torch.ones(ng, dtype=torch.float64, device=L.device)
-    log_ess1 = log_ess(ones, L, dense, ng)
-    gmax = L.new_full((ng,), -torch.inf).scatter_reduce(0, dense, L, "amax")
-    gmin = L.new_full((ng,), torch.inf).scatter_reduce(0, dense, L, "amin")
+    mat, valid, slot = _pad_groups(L, dense, counts)
+    g = counts.to(torch.float64)
+    log_target = torch.log(kappa * g)
+    ones = torch.ones_like(g)
+    log_ess1 = log_ess(ones, mat, valid)
+    spread = torch.where(valid, mat, -torch.inf).amax(-1) - torch.where(valid, mat, torch.inf).amin(-1)
     # All-equal ratios (one-member groups included) have ESS = G exactly: alpha* = 1 (Thm. 2 (iv)),
     # decided here rather than by a round-off-prone comparison when kappa = 1.
-    healthy = (log_ess1 >= log_target) | (gmax == gmin)
-    lo, hi = torch.zeros_like(ones), ones.clone()
+    healthy = (log_ess1 >= log_target) | (spread == 0)
+    lo, hi = torch.zeros_like(g), ones.clone()
     for _ in range(n_iter):
         mid = 0.5 * (lo + hi)
-        ok = log_ess(mid, L, dense, ng) >= log_target
+        ok = log_ess(mid, mat, valid) >= log_target
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
     alpha = torch.where(healthy, ones, lo)
-    a = alpha[dense] * L
-    log_w = a - group_logsumexp(a, dense, ng)[dense]
-    weights = counts.to(torch.float64)[dense] * torch.exp(log_w)
-    g = counts.to(torch.float64)
+    a = torch.where(valid, alpha.unsqueeze(-1) * mat, -torch.inf)
+    w = g.unsqueeze(-1) * torch.softmax(a, dim=-1)           # G softmax(alpha* L) per group
+    weights = w[dense, slot]
     return Tempering(alpha=alpha, weights=weights, ess_before=torch.exp(log_ess1) / g,
-                     ess_after=torch.exp(log_ess(alpha, L, dense, ng)) / g, dense=dense)
+                     ess_after=torch.exp(log_ess(alpha, mat, valid)) / g, dense=dense)
 
 
 def temper_groups(L: Tensor, group_index: Tensor, kappa: float, n_iter: int) -> tuple[Tensor, Tensor]:
