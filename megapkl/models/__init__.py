@@ -1,0 +1,20 @@
+"""Qwen3 dense / MoE policies on megatron-core: specs, providers, HF I/O, optimizer, R3, checkpoints
+
+    spec.py        architectures as data (configs/models/*.yaml), layout checks      (no torch)
+    provider.py    TransformerConfig + layer specs (TE on GPU, local on CPU) -> GPTModel
+    hf_mapping.py  megatron <-> Hugging Face names, shards and fused layouts (pure)
+    hf.py          load a HF checkpoint into the sharded model; streamed HF export
+    optimizer.py   DDP + distributed Adam, clipping, LR schedule
+    replay.py      R3 routing replay through megatron's RouterReplay
+    checkpoint.py  reshardable distributed checkpoints (model, optimizer, scheduler, RNG)
+    snapshot.py    frozen weight copies swapped in for forward passes
+
+Submodules are imported explicitly (`from megapkl.models.hf import load_hf_weights`) so that
+importing the package stays free of torch and megatron.
+"""
+
+from megapkl.models.spec import (ModelSpec, SpecError, available_specs, check_layout, load_spec,
+                                 spec_from_hf_config, spec_from_model_config)
+
+__all__ = ["ModelSpec", "SpecError", "available_specs", "check_layout", "load_spec",
+           "spec_from_hf_config", "spec_from_model_config"]

@@ -1,0 +1,317 @@
+"""Build a megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE `ModelSpec`.
+
+Two layer specs:
+- Transformer Engine's (GPU) when `transformer_engine` imports: fused norm+linear, grouped
+  expert GEMMs. Imported lazily; never required.
+- megatron-core's local spec otherwise (CPU), with its norms replaced by `QwenRMSNorm` below:
+  megatron's torch norm refuses sequence parallelism, and ours also computes exactly like the
+  Hugging Face Qwen3 RMSNorm (fp32 statistics, cast back before the weight).
+
+Parallel sizes come from megatron's `parallel_state` (initialised by
+`megapkl.parallel.groups.init_parallel`) and are checked against the architecture first
+(`spec.check_layout`), so a bad layout fails naming the key instead of deep in megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, List, Optional
+
+import torch
+
+from megapkl.models.spec import ModelSpec, SpecError, check_layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How to build (not what to build): precision, parallel features, kernels."""
+
+    dtype: str = "fp32"  # "fp32" | "bf16" parameters (fp32 main weights live in the optimizer)
+    sequence_parallel: bool = False
+    use_te: Optional[bool] = None  # None: Transformer Engine when it imports and CUDA is present
+    routing_replay: bool = False  # MoE: enable megatron's RouterReplay (R3)
+    recompute: str = "none"  # "none" | "selective" | "full"
+    moe_dispatcher: Optional[str] = None  # None: allgather on CPU, alltoall on GPU
+    virtual_pipeline: Optional[int] = None  # model chunks per pipeline stage
+    parallel_output: bool = True  # logits stay vocab-sharded over TP (for a vocab-parallel loss)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise SpecError(f"recompute: must be none|selective|full, got {self.recompute!r}")
+
+
+def options_from_config(model_cfg: Any, parallel_cfg: Any) -> ModelOptions:
+    """ModelOptions from the run config's `model` and `parallel` sections."""
+    return ModelOptions(
+        dtype=model_cfg.dtype,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        routing_replay=model_cfg.routing_replay,
+        recompute=model_cfg.recompute,
+        virtual_pipeline=parallel_cfg.virtual_pipeline,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (its kernels are CUDA-only)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken TE install counts as absent
+        return False
+    return True
+
+
+def _use_te(opts: ModelOptions) -> bool:
+    if opts.use_te is None:
+        return te_available()
+    if opts.use_te and not te_available():
+        raise SpecError("use_te: Transformer Engine was requested but does not import (or no GPU)")
+    return opts.use_te
+
+
+# ------------------------------------------------------------------ parallel sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    pp_rank: int = 0
+
+
+def sizes_from_megatron() -> ParallelSizes:
+    """The layout megatron's parallel_state was initialised with."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron model parallel is not initialized: call "
+                           "megapkl.parallel.groups.init_parallel(...) first")
+    return ParallelSizes(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+    )
+
+
+# ------------------------------------------------------------------ config
+
+
+def transformer_config(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
+                       sizes: Optional[ParallelSizes] = None):
+    """The megatron `TransformerConfig` for `spec` under `sizes` (default: megatron's state)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    sizes = sizes or sizes_from_megatron()
+    check_layout(spec, tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, etp=sizes.etp, cp=sizes.cp,
+                 vpp=opts.virtual_pipeline, sequence_parallel=opts.sequence_parallel)
+    dtype = DTYPES[opts.dtype]
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        qk_layernorm=spec.qk_layernorm,
+        gated_linear_unit=True,  # SwiGLU: fc1 = [gate; up]
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,  # RL post-training: deterministic forwards (logp must be reproducible)
+        attention_dropout=0.0,
+        init_method_std=spec.init_method_std,
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=opts.virtual_pipeline,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
+        sequence_parallel=opts.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # Fused kernels are CUDA (or apex) only; the torch paths compute the same thing.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # On gloo, batched p2p gives wrong results with interleaved pipelines (see notes).
+        batch_p2p_comm=on_gpu,
+    )
+    if opts.recompute != "none":
+        kwargs.update(recompute_granularity=opts.recompute)
+        if opts.recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    if spec.is_moe:
+        kwargs.update(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            # HF norm_topk_prob=True: top-k of the logits, softmax over those k (= renormalised
+            # softmax). False: softmax over all experts, then top-k without renormalising.
+            moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+            moe_router_dtype="fp32",  # routing decisions must not flip with BF16 rounding
+            moe_token_dispatcher_type=opts.moe_dispatcher or ("alltoall" if on_gpu
+                                                              else "allgather"),
+            moe_grouped_gemm=_use_te(opts),
+            moe_enable_routing_replay=opts.routing_replay,
+            moe_permute_fusion=False,
+        )
+    elif opts.routing_replay:
+        raise SpecError(f"{spec.name}: routing_replay needs an MoE model, this one is dense")
+    return TransformerConfig(**kwargs)
+
+
+# ------------------------------------------------------------------ layer specs
+
+
+class QwenRMSNorm(torch.nn.Module):
+    """Qwen3's RMSNorm (statistics in fp32, normalised value cast back, then the weight).
+
+    Accepts megatron's `build_module(config=..., hidden_size=..., eps=...)` call. Under
+    sequence parallelism each rank sees a slice of the sequence, so the weight is tagged
+    `sequence_parallel` and megatron's finalize_model_grads sums its gradient over TP.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device()))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _param_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _replace_norms(spec: Any, old: type, new: type) -> Any:
+    """Copy of a ModuleSpec tree with every `old` module class swapped for `new`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is old:
+        return new
+    if isinstance(spec, ModuleSpec):
+        if spec.module is old:
+            return dataclasses.replace(spec, module=new)
+        if spec.submodules is None:
+            return spec
+        return dataclasses.replace(spec, submodules=_replace_norms(spec.submodules, old, new))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _replace_norms(getattr(spec, f.name), old, new)
+                   for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
+    """The transformer-layer ModuleSpec (TE or local) for one decoder layer."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    num_experts = spec.num_experts if spec.is_moe else None
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=spec.qk_layernorm)
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    local = specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
+        normalization="RMSNorm")
+    return _replace_norms(local, WrappedTorchNorm, QwenRMSNorm)
+
+
+def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[int],
+               pp_rank: int):
+    """Decoder block spec: the layer spec repeated for this stage, plus the final norm."""
+    if use_te:
+        return layer_spec(spec, config, use_te)  # the block picks TE's norm for the final layer
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build)
+
+    layer = layer_spec(spec, config, use_te)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
+
+
+# ------------------------------------------------------------------ models
+
+
+def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
+                vp_stage: Optional[int] = None, config: Any = None):
+    """One megatron `GPTModel` chunk for this rank's pipeline stage (and virtual stage).
+
+    Weights are megatron's random init (seeded by `init_parallel(seed=...)`); load a
+    Hugging Face checkpoint with `megapkl.models.hf.load_hf_weights`.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+
+    sizes = sizes_from_megatron()
+    config = config or transformer_config(spec, opts, sizes)
+    use_te = _use_te(opts)
+    vpp = opts.virtual_pipeline
+    first = sizes.pp_rank == 0 and (vpp is None or is_vp_first_stage(vp_stage, vpp))
+    last = sizes.pp_rank == sizes.pp - 1 and (vpp is None or is_vp_last_stage(vp_stage, vpp))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(spec, config, use_te, vp_stage, sizes.pp_rank),
+        vocab_size=spec.padded_vocab_size(sizes.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=first,
+        post_process=last,
+        parallel_output=opts.parallel_output,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(spec.rope_theta),
+        vp_stage=vp_stage,
+    )
+    model.megapkl_spec = spec  # the HF mapping and exporters read it back from the model
+    return model
+
+
+def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions()) -> List[Any]:
+    """All model chunks of this rank: one, or `virtual_pipeline` for an interleaved pipeline."""
+    sizes = sizes_from_megatron()
+    config = transformer_config(spec, opts, sizes)
+    if opts.virtual_pipeline is None:
+        return [build_model(spec, opts, config=config)]
+    return [build_model(spec, opts, vp_stage=i, config=config)
+            for i in range(opts.virtual_pipeline)]
+
+
+def unwrap(model: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
