@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", action="store_true", help="also run GRPO on the same task")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.set_defaults(func=cmd_demo)
+
+    from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
+
+    add_subcommands(sub)
     return parser
 
 

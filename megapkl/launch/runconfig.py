@@ -1,0 +1,59 @@
+"""The launcher's only door to run configs (megapkl.config): load, resolve, dump, reload.
+
+Everything the launcher needs from a run config goes through `prepare_run`, so a change of the
+config package touches this file alone. No torch import.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from megapkl.config.typed import ConfigError
+
+
+@dataclass
+class PreparedRun:
+    """A validated run config and what the launcher takes from it."""
+
+    cfg: Any  # megapkl.config.RunConfig (resolved)
+    config_path: str  # the file given (display form)
+    overrides: list[str]
+    name: str
+    run_dir: Path  # absolute
+    resolved_yaml: str  # what <run_dir>/config.yaml will hold
+    slurm_explicit: dict[str, Any]  # slurm: keys the files/overrides set explicitly (not defaults)
+
+
+def prepare_run(config: str | os.PathLike, overrides: Iterable[str] = (),
+                cwd: Optional[str | os.PathLike] = None) -> PreparedRun:
+    """Load and validate `config` with `overrides` (errors: megapkl.config.ConfigError)."""
+    from megapkl.config.loader import dump_config, load_config, merged_mapping
+
+    overrides = list(overrides)
+    cfg = load_config(config, overrides)
+    merged, _ = merged_mapping(config, overrides)
+    slurm = merged.get("slurm") or {}
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    run_dir = Path(cfg.run_dir)
+    if not run_dir.is_absolute():
+        run_dir = base / run_dir
+    return PreparedRun(cfg=cfg, config_path=str(config), overrides=overrides, name=cfg.name,
+                       run_dir=run_dir.resolve(), resolved_yaml=dump_config(cfg),
+                       slurm_explicit=dict(slurm) if isinstance(slurm, dict) else {})
+
+
+def load_resolved(path: str | os.PathLike, *, resume: bool = False) -> Any:
+    """Reload the resolved config a launcher wrote (in the job). `resume` sets
+    checkpoint.resume when it was false (a requeued job continues from the latest checkpoint)."""
+    from megapkl.config.loader import load_config
+
+    cfg = load_config(path)
+    if resume and cfg.checkpoint.resume is False:
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    return cfg
+
+
+__all__ = ["ConfigError", "PreparedRun", "prepare_run", "load_resolved"]

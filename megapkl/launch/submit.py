@@ -1,0 +1,333 @@
+"""`megapkl submit`: a run config + a cluster profile -> a submitit job on Slurm.
+
+    from megapkl.launch import submit
+    sub = submit("configs/demo/cpu_demo.yaml", "local_cpu", ["seed=3"],
+                 entry="megapkl.launch.toy:run")
+    sub.job.results()          # one value per task
+
+Run directory (`cfg.run_dir`, default runs/<name>/, made absolute against the submit directory):
+
+    <run_dir>/config.yaml      the fully resolved run config the job reloads
+    <run_dir>/launch.json      profile (resolved), sbatch parameters, entry point, overrides, job ids
+    <run_dir>/submitit/        submitit's pickles and logs: <jobid>_<task>_log.out / _log.err
+    <run_dir>/checkpoints/     cfg.checkpoint.dir unless the config moves it
+    <run_dir>/metrics.jsonl    one JSON line per step (rank 0; after a resume a step may repeat: the
+                               last line of a step wins, see `read_metrics`)
+    <run_dir>/events.jsonl     start / requeued / failed / done, one line each (rank 0)
+    <run_dir>/result.json      the entry point's return value (rank 0)
+
+A sweep (`megapkl.launch.sweep`) puts one such directory per element under <run_dir>/<label>/ and
+shares one submitit folder, <run_dir>/submitit/. No torch import here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
+
+from megapkl.config.typed import ConfigError
+from megapkl.launch.job import DEFAULT_ENTRY, LaunchSpec, MegapklJob, check_entry_importable
+from megapkl.launch.profile import ClusterProfile, load_profile
+from megapkl.launch.runconfig import PreparedRun, prepare_run
+
+IfExists = Literal["error", "resume", "overwrite"]
+# Run config `slurm:` keys -> profile keys (`extra` holds extra sbatch flags).
+_SLURM_TO_PROFILE = {"nodes": "nodes", "gpus_per_node": "gpus_per_node",
+                     "cpus_per_task": "cpus_per_task", "mem": "mem", "time": "time",
+                     "partition": "partition", "account": "account", "qos": "qos",
+                     "constraint": "constraint", "exclusive": "exclusive", "setup": "setup",
+                     "extra": "sbatch", "tasks_per_node": "tasks_per_node"}
+_NOT_JOB_KEYS = {"profile", "job_name"}
+
+
+class LaunchError(RuntimeError):
+    """A launcher problem that is not a config error (existing run dir, no Slurm, ...)."""
+
+
+@dataclass
+class Submission:
+    job: Any  # submitit.Job (None for a dry run)
+    run_dir: Path
+    profile: ClusterProfile
+    sbatch_params: dict[str, Any]
+    spec: LaunchSpec
+    script: Optional[str] = None  # the sbatch script (dry run)
+
+    @property
+    def job_id(self) -> Optional[str]:
+        return None if self.job is None else str(self.job.job_id)
+
+
+# ---- profile + run config -> job shape
+
+def job_profile(prep: PreparedRun, profile: Optional[str]) -> ClusterProfile:
+    """The profile named on the command line (or by the config's slurm.profile), with the run
+    config's explicit `slurm:` keys applied; errors name the file and key to fix."""
+    name = profile or prep.cfg.slurm.profile
+    if not name:
+        raise ConfigError("no cluster profile: pass --profile NAME (slurm/profiles/NAME.yaml) or "
+                          "set slurm.profile in the run config", key="slurm.profile",
+                          source=prep.config_path)
+    prof = load_profile(name)
+    job: dict[str, Any] = {}
+    for k, v in prep.slurm_explicit.items():
+        if k in _NOT_JOB_KEYS:
+            continue
+        if k not in _SLURM_TO_PROFILE:
+            continue  # a key the config schema added later: it validated it already
+        job[_SLURM_TO_PROFILE[k]] = v
+    back = {v: k for k, v in _SLURM_TO_PROFILE.items()}
+    return prof.with_job(job, source=prep.config_path, key_names=back) if job else prof
+
+
+def sbatch_parameters(prof: ClusterProfile, job_name: str) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (native names) for a job on `prof`."""
+    p: dict[str, Any] = {
+        "job_name": job_name,
+        "partition": prof.partition,
+        "time": prof.timeout_min,
+        "nodes": prof.nodes,
+        "ntasks_per_node": prof.job_tasks_per_node,
+        "cpus_per_task": prof.cpus_per_task,
+        "signal_delay_s": prof.signal_delay_s,
+        "array_parallelism": prof.array_parallelism,
+        "stderr_to_stdout": False,
+    }
+    if prof.job_gpus_per_node:
+        p["gpus_per_node"] = prof.job_gpus_per_node
+    for key in ("account", "qos", "constraint", "mem"):
+        value = getattr(prof, key)
+        if value is not None:
+            p[key] = value
+    if prof.exclusive:
+        p["exclusive"] = True
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
+    if setup:
+        p["setup"] = setup
+    srun_args = list(prof.srun_args)
+    c = prof.container
+    if c is not None and c.runtime == "pyxis":
+        srun_args.append(f"--container-image={c.image}")
+        if c.mounts:
+            srun_args.append(f"--container-mounts={','.join(c.mounts)}")
+        if c.workdir:
+            srun_args.append(f"--container-workdir={c.workdir}")
+        srun_args += c.extra_args
+    if srun_args:
+        p["srun_args"] = srun_args
+    if prof.sbatch:
+        p["additional_parameters"] = {str(k).lstrip("-"): v for k, v in prof.sbatch.items()}
+    return p
+
+
+def python_command(prof: ClusterProfile) -> str:
+    """How each task starts python (submitit runs `<python> -u -m submitit.core._submit`)."""
+    c = prof.container
+    if c is None:
+        return prof.python or shlex.quote(sys.executable)
+    if c.runtime == "pyxis":
+        return c.python
+    binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
+    gpu = " --nv" if prof.uses_gpus else ""
+    pwd = f" --pwd {shlex.quote(c.workdir)}" if c.workdir else ""
+    extra = "".join(f" {shlex.quote(a)}" for a in c.extra_args)
+    return f"apptainer exec{gpu}{binds}{pwd}{extra} {shlex.quote(c.image)} {c.python}"
+
+
+def make_executor(prof: ClusterProfile, folder: Path, params: Mapping[str, Any]) -> Any:
+    """A submitit.AutoExecutor on the Slurm cluster with the profile's parameters."""
+    import submitit
+
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        raise LaunchError("Slurm is not available here (no sbatch/srun on PATH); run on a login "
+                          "node, or start the local cluster: tools/slurm/setup_local_cluster.sh")
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm",
+                               slurm_python=python_command(prof),
+                               slurm_max_num_timeout=prof.max_requeues)
+    ex.update_parameters(**{f"slurm_{k}": v for k, v in params.items()})
+    return ex
+
+
+def sbatch_script(prof: ClusterProfile, folder: Path, params: Mapping[str, Any]) -> str:
+    """The sbatch script submitit would write (for --dry-run); needs no Slurm."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    command = f"{python_command(prof)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=str(folder), **params)
+
+
+# ---- run directory
+
+def prepare_run_dir(run_dir: Path, if_exists: IfExists) -> None:
+    launch = run_dir / "launch.json"
+    if launch.exists():
+        if if_exists == "error":
+            jobs = _read_json(launch).get("jobs", [])
+            last = f" (last job {jobs[-1]['job_id']})" if jobs else ""
+            raise LaunchError(f"run directory {run_dir} already holds a run{last}; set another "
+                              "name (name=...), or pass --if-exists resume (continue from its "
+                              "checkpoints) or --if-exists overwrite (delete it)")
+        if if_exists == "overwrite":
+            shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_run_files(prep: PreparedRun, prof: ClusterProfile, params: Mapping[str, Any],
+                    spec: LaunchSpec, submitit_folder: Path, extra: Mapping[str, Any] = ()) -> None:
+    run_dir = prep.run_dir
+    (run_dir / "config.yaml").write_text(prep.resolved_yaml, encoding="utf-8")
+    launch = _read_json(run_dir / "launch.json") if (run_dir / "launch.json").exists() else {}
+    launch.update({
+        "name": prep.name,
+        "config": os.path.abspath(prep.config_path),
+        "overrides": prep.overrides,
+        "profile": {"name": prof.name, "file": prof.source, **prof.to_dict()},
+        "sbatch": dict(params),
+        "python": python_command(prof),
+        "entry": spec.entry,
+        "entry_kwargs": spec.entry_kwargs,
+        "submitit_folder": str(submitit_folder),
+        "cwd": spec.cwd,
+        "argv": sys.argv,
+        **dict(extra),
+    })
+    launch.setdefault("jobs", [])
+    _write_json(run_dir / "launch.json", launch)
+
+
+def record_job(run_dir: Path, job_id: str, **info: Any) -> None:
+    launch = _read_json(run_dir / "launch.json")
+    launch.setdefault("jobs", []).append({"job_id": job_id, "submitted": _now(), **info})
+    _write_json(run_dir / "launch.json", launch)
+    index = job_index_path()
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        with open(index, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"job_id": job_id, "run_dir": str(run_dir), "time": _now()}) + "\n")
+    except OSError:
+        pass  # the index is a convenience for `megapkl logs JOBID`
+
+
+def job_index_path() -> Path:
+    env = os.environ.get("MEGAPKL_JOB_INDEX")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megapkl" / "jobs.jsonl"
+
+
+# ---- submit
+
+def make_spec(prep: PreparedRun, prof: ClusterProfile, entry: str,
+              entry_kwargs: Optional[Mapping[str, Any]], cwd: Path) -> LaunchSpec:
+    return LaunchSpec(run_dir=str(prep.run_dir), cwd=str(cwd),
+                      config_file=str(prep.run_dir / "config.yaml"), entry=entry,
+                      entry_kwargs=dict(entry_kwargs or {}), use_gpus=prof.uses_gpus,
+                      max_requeues=prof.max_requeues, preempt_grace_s=float(prof.preempt_grace_s))
+
+
+def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) -> list[str]:
+    """Record the job shape in the run config (so its world-size rules check the parallel layout
+    against the real job): slurm.profile, and nodes/gpus_per_node on GPU profiles unless set."""
+    extra = []
+    if "profile" not in prep.slurm_explicit:
+        extra.append(f"slurm.profile={profile_name}")
+    if prof.uses_gpus:
+        for key, value in (("nodes", prof.nodes), ("gpus_per_node", prof.job_gpus_per_node)):
+            if key not in prep.slurm_explicit:
+                extra.append(f"slurm.{key}={value}")
+    return extra
+
+
+def resume_overrides(overrides: list[str], if_exists: IfExists) -> list[str]:
+    """`--if-exists resume` continues from the run directory's checkpoints."""
+    if if_exists == "resume" and not any(o.startswith("checkpoint.resume=") for o in overrides):
+        return [*overrides, "checkpoint.resume=true"]
+    return overrides
+
+
+def submit(config: str | os.PathLike, profile: Optional[str] = None,
+           overrides: Iterable[str] = (), *, entry: str = DEFAULT_ENTRY,
+           entry_kwargs: Optional[Mapping[str, Any]] = None, if_exists: IfExists = "error",
+           dry_run: bool = False, cwd: Optional[str | os.PathLike] = None) -> Submission:
+    """Validate, lay out the run directory and submit one job (see the module docstring)."""
+    cwd = Path(cwd or Path.cwd()).resolve()
+    overrides = resume_overrides(list(overrides), if_exists)
+    prep = prepare_run(config, overrides, cwd=cwd)
+    prof = job_profile(prep, profile)
+    extra = shape_overrides(prep, prof, profile or prep.cfg.slurm.profile)
+    if extra:
+        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
+                                   overrides=overrides)
+    check_entry_importable(entry)
+    spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
+    folder = prep.run_dir / "submitit"
+    params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name)
+    if dry_run:
+        return Submission(None, prep.run_dir, prof, params, spec, sbatch_script(prof, folder, params))
+    prepare_run_dir(prep.run_dir, if_exists)
+    write_run_files(prep, prof, params, spec, folder)
+    executor = make_executor(prof, folder, params)
+    job = executor.submit(MegapklJob(spec))
+    record_job(prep.run_dir, str(job.job_id))
+    return Submission(job, prep.run_dir, prof, params, spec)
+
+
+# ---- reading a run directory
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """metrics.jsonl as a list ordered by step; a step logged twice (after a resume) keeps its
+    last line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            rows[int(row.get("step", len(rows)))] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def read_launch(run_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(run_dir) / "launch.json"
+    if not path.exists():
+        raise LaunchError(f"{run_dir} is not a megapkl run directory (no launch.json)")
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def parse_entry_args(items: Sequence[str]) -> dict[str, Any]:
+    """`k=v` strings -> kwargs for the entry point, values parsed as YAML."""
+    from megapkl.config import yamlio
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"expected NAME=VALUE for the entry point, got '{item}'",
+                              source="--entry-arg")
+        out[key] = yamlio.load_value(raw)
+    return out

@@ -1,0 +1,74 @@
+#!/bin/bash
+# Plain sbatch template for megapkl, for users who do not use submitit (`megapkl submit` does all of
+# this from a cluster profile). Copy it, edit the #SBATCH lines for your partition, then:
+#
+#   sbatch --export=ALL,CONFIG=configs/experiments/pkl_qwen3_8b.yaml slurm/sbatch_template.sh
+#   sbatch --export=ALL,CONFIG=my.yaml slurm/sbatch_template.sh objective.beta=0.3 seed=2
+#
+# Arguments after the script are run-config overrides. #SBATCH values can also be overridden on
+# the sbatch command line (e.g. --nodes=4 --time=1-00:00:00).
+#
+# Layout: one Slurm task per GPU started by srun; each task runs `python -m megapkl.launch.task`,
+# which sets torch threads from SLURM_CPUS_PER_TASK, initializes torch.distributed from the Slurm
+# environment (NCCL on GPUs, gloo on CPU), writes <run_dir>/config.yaml, launch.json,
+# metrics.jsonl, events.jsonl and result.json, and calls the entry point (ENTRY, default the
+# trainer, megapkl.train:run).
+#
+# Preemption and time limits: Slurm sends SIGUSR2 to every task 300 s before the kill
+# (--signal=USR2@300). The trainer checkpoints at its next step boundary and the job requeues itself
+# (`scontrol requeue`, needs --requeue); the requeued job resumes from the checkpoint with
+# checkpoint.resume=true. Keep PREEMPT_GRACE_S (forced requeue if no step boundary came) below 300.
+#
+# torchrun instead of one task per GPU: set LAUNCHER=torchrun (one srun task per node, torchrun
+# starts the GPU workers). torchrun does not forward SIGUSR2 to its workers, so a requeued job then
+# resumes from its last periodic checkpoint (checkpoint.every) only.
+
+#SBATCH --job-name=megapkl
+#SBATCH --partition=gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --mem=0
+#SBATCH --exclusive
+#SBATCH --time=1-00:00:00
+#SBATCH --signal=USR2@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+set -euo pipefail
+
+CONFIG="${CONFIG:?set CONFIG to a run config: sbatch --export=ALL,CONFIG=path.yaml $0}"
+ENTRY="${ENTRY:-megapkl.train:run}"
+LAUNCHER="${LAUNCHER:-srun}"
+PREEMPT_GRACE_S="${PREEMPT_GRACE_S:-240}"
+MAX_REQUEUES="${MAX_REQUEUES:-10}"
+PYTHON="${PYTHON:-python3}"
+
+# ---- environment (edit for your site: modules, virtualenv or container)
+# module load cuda/12.8
+# source "$HOME/venvs/megapkl/bin/activate"
+export CUDA_DEVICE_MAX_CONNECTIONS=1          # megatron-core TP/SP communication overlap
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+
+echo "[megapkl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}:" \
+     "${SLURM_NNODES} nodes x ${SLURM_NTASKS_PER_NODE:-?} tasks; config ${CONFIG} $*"
+
+TASK_ARGS=(--entry "$ENTRY" --preempt-grace-s "$PREEMPT_GRACE_S" --max-requeues "$MAX_REQUEUES")
+
+if [ "$LAUNCHER" = "torchrun" ]; then
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40000 ))
+  GPUS_PER_NODE="${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
+  # One task per node; torchrun starts GPUS_PER_NODE workers in it.
+  srun --ntasks-per-node=1 --cpus-per-task="$(( ${SLURM_CPUS_PER_TASK:-1} * GPUS_PER_NODE ))" \
+       --kill-on-bad-exit=1 \
+    "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+      --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+      -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@"
+else
+  srun --kill-on-bad-exit=1 "$PYTHON" -u -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@"
+fi

@@ -1,0 +1,92 @@
+"""Every paper experiment in configs/experiments/ loads, validates, fits 8-GPU nodes, has a parallel
+layout its model architecture accepts, and dry-runs on the H100 and H200 cluster profiles."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megapkl.config import load_config
+from megapkl.launch.submit import submit
+
+from .conftest import TOY
+
+ROOT = Path(__file__).resolve().parents[2] / "configs" / "experiments"
+RUNS = sorted(p for p in ROOT.rglob("*.yaml") if not p.name.startswith("_"))
+
+
+def _id(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+def test_the_experiment_folders_are_populated() -> None:
+    folders = {p.parent.name for p in RUNS}
+    assert folders == {"pkl_periodic", "pkl_staleness", "sis_math", "tetpo"}
+    assert len([p for p in RUNS if p.parent.name == "pkl_periodic"]) == 16  # 4 sizes x 4 methods
+    names = [load_config(p).name for p in RUNS]
+    assert len(set(names)) == len(names), "run names must be unique (they name run directories)"
+
+
+@pytest.mark.parametrize("path", RUNS, ids=_id)
+def test_experiment_is_valid_and_fits_8_gpu_nodes(path: Path) -> None:
+    from megapkl.models.spec import check_layout, load_spec
+
+    cfg = load_config(path)
+    assert cfg.slurm.gpus_per_node == 8 and cfg.slurm.nodes >= 1
+    assert cfg.world_size == cfg.slurm.nodes * 8
+    par = cfg.parallel
+    assert par.data * par.tensor * par.pipeline * par.context == cfg.world_size
+    assert par.tensor <= 8, "tensor parallelism stays inside one node (NVLink)"
+    check_layout(load_spec(cfg.model.name), tp=par.tensor, pp=par.pipeline, ep=par.expert,
+                 cp=par.context, vpp=par.virtual_pipeline,
+                 sequence_parallel=par.sequence_parallel)
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine == "sglang" and sg.colocate:
+        assert sg.num_engines * sg.tp <= cfg.world_size
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+def test_experiments_dry_run_on_gpu_profiles(profile: str, tmp_path: Path) -> None:
+    for path in RUNS:
+        sub = submit(path, profile, [f"run_dir={tmp_path}/{path.stem}"], entry=TOY, dry_run=True)
+        cfg = load_config(path)
+        assert f"#SBATCH --nodes={cfg.slurm.nodes}" in sub.script
+        assert "#SBATCH --gpus-per-node=8" in sub.script and "#SBATCH --ntasks-per-node=8" in sub.script
+        assert sub.spec.use_gpus
+
+
+def test_paper_settings_spot_checks() -> None:
+    def cfg(rel: str):
+        return load_config(ROOT / rel)
+
+    # PKL Table 4: 32 x 8, N = 64, lr 1e-6, FP8 W/A + BF16 KV, L = 16 (PKL) / 32 (GRPO), CISPO [0, 5].
+    for size in ("1p7b", "4b", "8b", "32b"):
+        pkl, grpo = cfg(f"pkl_periodic/qwen3_{size}_pkl.yaml"), cfg(f"pkl_periodic/qwen3_{size}_grpo.yaml")
+        for c in (pkl, grpo):
+            ro = c.rollout
+            assert (ro.prompts_per_batch, ro.responses_per_prompt, ro.refresh_every) == (32, 8, 64)
+            assert (ro.max_prompt_len, ro.max_response_len, ro.fp8, ro.kv_cache_dtype) == \
+                (1024, 16384, True, "bf16")
+            assert c.train.lr == 1e-6 and c.advantage.mode == "group_mean"
+        assert pkl.reference.refresh_every == 16 and grpo.reference.refresh_every == 32
+        assert (pkl.objective.beta, pkl.objective.horizon, pkl.objective.cost_clip) == (0.3, "full", 0.05)
+    assert tuple(cfg("pkl_periodic/qwen3_8b_cispo.yaml").objective.is_clip) == (0.0, 5.0)
+    assert cfg("pkl_periodic/qwen3_32b_pkl.yaml").model.hf_checkpoint == "Qwen/Qwen3-32B"
+    # PKL Table 5 variants.
+    c = cfg("pkl_staleness/qwen3_1p7b_pkl_h64_b060_s16_lr1e-5.yaml")
+    assert (c.objective.horizon, c.objective.beta, c.train.lr, c.rollout.max_staleness) == (64, 0.6, 1e-5, 16)
+    c = cfg("pkl_staleness/qwen3_4b_pkl_h32_tail_b025_s4.yaml")
+    assert (c.objective.horizon, c.objective.tail, c.objective.beta) == (32, "linear", 0.25)
+    assert c.advantage.filter_constant_groups and c.rollout.minibatches_per_batch == 4
+    c = cfg("pkl_staleness/qwen3_1p7b_pkl_s0.yaml")
+    assert (c.objective.beta, c.objective.cost_clip, c.reference.refresh_every) == (0.03, None, 50)
+    assert c.rollout.protocol == "on_policy"
+    # SIS Table 4: top-K per algorithm and architecture, routing replay on the MoE.
+    assert cfg("sis_math/qwen3_8b_gspo_sis.yaml").objective.sis.top_k == 50
+    assert cfg("sis_math/qwen3_30b_a3b_gspo_sis.yaml").objective.sis.top_k == 30
+    assert cfg("sis_math/qwen3_8b_grpo.yaml").objective.kl_init_coef == 1e-3
+    assert cfg("sis_math/qwen3_30b_a3b_dapo_sis_r3.yaml").model.routing_replay
+    # TETPO: uniform staleness k = 32 from a pool of 256.
+    c = cfg("tetpo/qwen3_1p7b_tetpo.yaml")
+    assert (c.rollout.protocol, c.rollout.max_staleness, c.rollout.snapshot_pool) == ("uniform_stale", 32, 256)
+    assert c.objective.kappa == 0.85

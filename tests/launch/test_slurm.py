@@ -1,0 +1,211 @@
+"""The launcher against the real local Slurm cluster (tools/slurm/setup_local_cluster.sh).
+
+Each job runs the toy entry point (megapkl.launch.toy:run: gloo all-reduce "steps" with a
+checkpointed state) on the tiny run config (the CPU demo, DP=2) in 2 Slurm tasks. A job costs
+about 5-15 s on 2 cores, mostly `import torch`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+
+from megapkl.launch import jobs
+from megapkl.launch.cli import main as cli_main
+from megapkl.launch.submit import read_launch, read_metrics, submit
+from megapkl.launch.sweep import sweep, sweep_rows
+
+from .conftest import _TIMINGS, TINY, TOY, wait_done, wait_state
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster, launch_tmp: Path):  # noqa: ARG001 - ordering
+    """One uninterrupted 2-task run of STEPS steps: (submission, per-task results)."""
+    t0 = time.perf_counter()
+    sub = submit(TINY, "local_cpu", [f"run_dir={launch_tmp}/reference", f"train.steps={STEPS}"],
+                 entry=TOY)
+    results = wait_done(sub.job, 240, "reference job")
+    _TIMINGS.append(("fixture reference_run (submit -> 2-task results)",
+                     time.perf_counter() - t0, "passed"))
+    return sub, results
+
+
+def test_two_task_job_over_gloo_returns_metrics(reference_run) -> None:
+    sub, results = reference_run
+    assert len(results) == 2
+    r0, r1 = results
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    for r in results:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["threads"] == 1
+        assert r["resumed_from"] == 0 and r["restarts"] == 0
+    assert [m["step"] for m in r0["metrics"]] == list(range(1, STEPS + 1))
+    assert r0["metrics"] == r1["metrics"]  # the all-reduce made every rank agree
+    # The run directory is laid out predictably.
+    run_dir = sub.run_dir
+    for name in ("config.yaml", "launch.json", "metrics.jsonl", "events.jsonl", "result.json",
+                 "checkpoints/toy_state.json"):
+        assert (run_dir / name).exists(), name
+    assert read_metrics(run_dir) == r0["metrics"]
+    assert json.loads((run_dir / "result.json").read_text())["metrics"] == r0["metrics"]
+    launch = read_launch(run_dir)
+    assert launch["jobs"][0]["job_id"] == sub.job_id and launch["entry"] == TOY
+    assert launch["profile"]["name"] == "local_cpu"
+    assert "slurm:\n  profile: local_cpu" in (run_dir / "config.yaml").read_text()
+    for task in (0, 1):
+        assert (run_dir / "submitit" / f"{sub.job_id}_{task}_log.out").exists()
+
+
+def test_status_and_logs_helpers(reference_run, capsys: pytest.CaptureFixture[str]) -> None:
+    sub, _ = reference_run
+    wait_state(sub.job_id, "COMPLETED")
+    text = jobs.status(str(sub.run_dir))
+    assert f"JobID={sub.job_id}" in text and "State=COMPLETED" in text
+    assert f"last step: step={STEPS}" in text
+    assert jobs.status(sub.job_id).startswith(f"JobID={sub.job_id}")  # by id, via the index
+    assert "Starting with JobEnvironment" in jobs.logs(sub.job_id, task=1)
+    assert cli_main(["logs", str(sub.run_dir), "--err", "-n", "3"]) == 0
+    assert cli_main(["status", str(sub.run_dir)]) == 0
+    assert "State=COMPLETED" in capsys.readouterr().out
+
+
+def test_failing_job_surfaces_the_exception(launch_tmp: Path) -> None:
+    sub = submit(TINY, "local_cpu", [f"run_dir={launch_tmp}/failing"], entry=TOY,
+                 entry_kwargs={"fail_at_step": 2})
+    deadline = time.time() + 240
+    while not sub.job.done() and time.time() < deadline:
+        time.sleep(0.5)
+    with pytest.raises(submitit.core.utils.FailedJobError) as info:
+        sub.job.results()
+    msg = str(info.value)
+    assert "RuntimeError: toy entry point: deliberate failure at step 2 on rank" in msg
+    events = (sub.run_dir / "events.jsonl").read_text()
+    assert '"event": "failed"' in events and "deliberate failure" in events
+
+
+def test_preemption_requeues_and_resumes_with_the_same_metrics(reference_run,
+                                                               launch_tmp: Path) -> None:
+    _, ref = reference_run
+    run_dir = launch_tmp / "preempted"
+    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"], entry=TOY,
+                 entry_kwargs={"step_seconds": 1.5})
+    deadline = time.time() + 240
+    while len(read_metrics(run_dir)) < 2:  # running, past the handler's installation
+        assert time.time() < deadline, "the job never reached step 2"
+        assert not sub.job.done(), "the job ended before it could be interrupted"
+        time.sleep(0.2)
+    sub.job._interrupt()  # SIGTERM + USR2, as Slurm does on preemption
+    results = wait_done(sub.job, 300, "preempted job")
+    r0 = results[0]
+    assert r0["restarts"] == 1
+    assert 2 <= r0["resumed_from"] < STEPS  # continued from the checkpoint, not from scratch
+    assert r0["metrics"] == ref[0]["metrics"]  # the same metrics as the uninterrupted run
+    assert read_metrics(run_dir) == ref[0]["metrics"]
+    events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events == ["start", "requeued", "start", "done"]
+    wait_state(sub.job_id, "COMPLETED")
+    assert jobs.requeue_count(sub.job_id) == 1
+
+
+def test_two_element_sweep_array_completes(launch_tmp: Path) -> None:
+    out = sweep(TINY, "local_cpu", ["seed=1,2"], [f"run_dir={launch_tmp}/sweep", "train.steps=3"],
+                entry=TOY, parallelism=2)
+    assert len(out.elements) == 2 and out.array_job_id
+    assert [str(e.job.job_id) for e in out.elements] == [f"{out.array_job_id}_0",
+                                                         f"{out.array_job_id}_1"]
+    finals = []
+    for el in out.elements:
+        res = wait_done(el.job, 240, f"sweep element {el.label}")
+        assert res[0]["world_size"] == 2 and len(res[0]["metrics"]) == 3
+        finals.append(res[0]["metrics"][-1]["loss"])
+    assert finals[0] != finals[1]  # different seeds, different runs
+    for el in out.elements:
+        wait_state(str(el.job.job_id), "COMPLETED")
+    rows = sweep_rows(out.sweep_dir)
+    assert [r["label"] for r in rows] == ["seed-1", "seed-2"]
+    assert all(r["state"] == "COMPLETED" and r["step"] == 3 for r in rows)
+    text = jobs.status(str(out.sweep_dir))
+    assert "seed-1" in text and "COMPLETED" in text
+    assert "%2" in (out.sweep_dir / "submitit").joinpath(
+        f"{out.array_job_id}_submission.sh").read_text()
+
+
+def test_cancel(launch_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = launch_tmp / "cancelled"
+    rc = cli_main(["submit", str(TINY), f"run_dir={run_dir}", "--profile", "local_cpu",
+                   "--entry", TOY, "--entry-arg", "step_seconds=30"])
+    assert rc == 0 and "submitted job" in capsys.readouterr().out
+    assert cli_main(["cancel", str(run_dir)]) == 0
+    wait_state(read_launch(run_dir)["jobs"][0]["job_id"], "CANCELLED")
+
+
+def test_plain_sbatch_template_runs_and_requeues(reference_run, launch_tmp: Path) -> None:
+    """slurm/sbatch_template.sh (srun, no submitit) on the CPU cluster: the GPU lines removed,
+    the rest overridden on the sbatch command line; USR2 (what Slurm sends before a time limit)
+    -> checkpoint -> requeue -> resume with the uninterrupted run's metrics."""
+    import os
+    import subprocess
+    import sys
+
+    _, ref = reference_run
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "slurm" / "sbatch_template.sh").read_text()
+    keep = [ln for ln in text.splitlines()
+            if not ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive", "#SBATCH --mem"))]
+    script = launch_tmp / "sbatch_cpu.sh"
+    script.write_text("\n".join(keep) + "\n")
+    run_dir = launch_tmp / "sbatch_run"
+    env = {**os.environ, "CONFIG": str(TINY), "ENTRY": TOY, "PYTHON": sys.executable,
+           "PREEMPT_GRACE_S": "20"}
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--partition=cpu", "--ntasks-per-node=2", "--cpus-per-task=1",
+         "--mem=2G", "--time=10", f"--chdir={repo}", f"--output={launch_tmp}/sbatch-%j.out",
+         "--export=ALL", str(script), f"run_dir={run_dir}", f"train.steps={STEPS}",
+         "--entry-arg", "step_seconds=1.5"],
+        env=env, capture_output=True, text=True, check=True)
+    job_id = out.stdout.strip().split(";")[0]
+    deadline = time.time() + 240
+    log = launch_tmp / f"sbatch-{job_id}.out"
+    while len(read_metrics(run_dir)) < 2:
+        state = jobs.sacct_states([job_id]).get(job_id, {}).get("State", "")
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        assert state in ("", "PENDING", "RUNNING"), f"sbatch job {job_id} ended: {state}\n{tail}"
+        assert time.time() < deadline, f"sbatch job {job_id} never reached step 2\n{tail}"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    wait_state(job_id, "COMPLETED", 240)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["restarts"] == 1 and 2 <= result["resumed_from"] < STEPS
+    assert result["metrics"] == ref[0]["metrics"]
+    assert jobs.requeue_count(job_id) == 1
+    assert "requeueing job" in log.read_text()
+
+
+def test_watchdog_requeues_an_entry_point_that_never_polls(reference_run,
+                                                           launch_tmp: Path) -> None:
+    """An entry point that ignores ctx.preempt_requested(): preempt_grace_s after the signal the
+    launcher requeues the job anyway; it resumes from the last periodic checkpoint (every 2 steps)
+    and still ends with the uninterrupted run's metrics."""
+    _, ref = reference_run
+    profile = str(Path(__file__).parent / "data" / "local_cpu_fast_watchdog.yaml")
+    run_dir = launch_tmp / "watchdog"
+    sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}",
+                                 "checkpoint.every=2"],
+                 entry=TOY, entry_kwargs={"step_seconds": 1.0, "poll": False})
+    deadline = time.time() + 240
+    while len(read_metrics(run_dir)) < 2:
+        assert time.time() < deadline and not sub.job.done(), "the job never reached step 2"
+        time.sleep(0.2)
+    sub.job._interrupt()
+    results = wait_done(sub.job, 300, "watchdog job")
+    r0 = results[0]
+    assert r0["restarts"] == 1 and r0["resumed_from"] in (2, 4, 6)
+    assert r0["metrics"] == ref[0]["metrics"]
+    assert read_metrics(run_dir) == ref[0]["metrics"]
+    assert "did not reach a step boundary" in (run_dir / "submitit" /
+                                               f"{sub.job_id}_0_log.err").read_text()
