@@ -4,6 +4,7 @@
     megapkl config validate FILE [FILE ...]      check configs, one line per file
     megapkl train CONFIG [KEY=VALUE ...]         train (validates the config first)
     megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
+    megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
 
 A bad config is one line on stderr naming the file, line and dotted key, and exit code 2. Imports
 are lazy: `config show` never imports torch. `cmd_train` and `cmd_demo` are the seams where the
@@ -16,10 +17,6 @@ import sys
 from typing import Callable, Optional, Sequence
 
 EXIT_CONFIG = 2  # bad config or bad usage (argparse uses 2 as well)
-EXIT_NOT_BUILT = 3  # the command exists but its machinery does not yet
-NOT_BUILT = "megapkl: the trainer is not built yet (see issue: RL trainer)"
-# The GRPO arm of `demo --compare` (PKL Table 4: reference refresh 32, clip 0.2).
-DEMO_COMPARE_OVERRIDES = ("objective.name=grpo", "name=cpu_demo_grpo")
 
 
 def _load(path: str, overrides: Sequence[str] = ()):
@@ -48,10 +45,12 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the run config, then train. Placeholder until the trainer lands."""
-    _load(args.config, args.overrides)
-    print(NOT_BUILT, file=sys.stderr)
-    return EXIT_NOT_BUILT
+    """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
+    cfg = _load(args.config, args.overrides)
+    from megapkl.train.local import train_local
+
+    train_local(cfg)
+    return 0
 
 
 def demo_config_path() -> str:
@@ -60,13 +59,22 @@ def demo_config_path() -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Validate the CPU demo config (and its GRPO twin with --compare), then run it. Placeholder."""
+    """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG, plus plots."""
     path = demo_config_path()
-    _load(path, args.overrides)
-    if args.compare:
-        _load(path, [*args.overrides, *DEMO_COMPARE_OVERRIDES])
-    print(NOT_BUILT, file=sys.stderr)
-    return EXIT_NOT_BUILT
+    _load(path, args.overrides)  # a bad override is a config error before anything starts
+    from megapkl.train.demo import run_demo
+
+    run_demo(path, args.overrides, args.compare)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """EMA-smoothed curves of one or several run directories into PNG files."""
+    from megapkl.train.plot import plot_runs
+
+    files = plot_runs(args.runs, args.out, alpha=args.ema)
+    print(f"wrote {len(files)} plots to {args.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", action="store_true", help="also run GRPO on the same task")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.set_defaults(func=cmd_demo)
+
+    plot = sub.add_parser("plot", help="EMA-smoothed curves of run directories into PNGs")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", default="plots", help="output directory (default: plots)")
+    plot.add_argument("--ema", type=float, default=0.1, help="EMA alpha (default 0.1)")
+    plot.set_defaults(func=cmd_plot)
 
     from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
 

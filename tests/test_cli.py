@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megapkl.cli import EXIT_CONFIG, EXIT_NOT_BUILT, main
+from megapkl.cli import EXIT_CONFIG, main
 from megapkl.config import configs_dir, load_config, loads_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,20 +55,14 @@ def test_config_validate(capsys, tmp_path):
     assert "objective.aggregation" in capsys.readouterr().err
 
 
-def test_train_placeholder(capsys):
-    assert main(["train", GRPO, "train.steps=5"]) == EXIT_NOT_BUILT
-    assert "the trainer is not built yet" in capsys.readouterr().err
-
-
 def test_train_validates_first(capsys):
     assert main(["train", GRPO, "train.stepz=5"]) == EXIT_CONFIG
     assert "did you mean 'steps'" in capsys.readouterr().err
 
 
-def test_demo_placeholder(capsys):
-    assert main(["demo"]) == EXIT_NOT_BUILT
-    assert main(["demo", "--compare", "train.steps=10"]) == EXIT_NOT_BUILT
-    assert "the trainer is not built yet" in capsys.readouterr().err
+def test_demo_validates_first(capsys):
+    assert main(["demo", "--compare", "objective.bta=0.1"]) == EXIT_CONFIG
+    assert "did you mean 'beta'" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys):

@@ -37,6 +37,9 @@ class ModelOptions:
     moe_dispatcher: Optional[str] = None  # None: allgather on CPU, alltoall on GPU
     virtual_pipeline: Optional[int] = None  # model chunks per pipeline stage
     parallel_output: bool = True  # logits stay vocab-sharded over TP (for a vocab-parallel loss)
+    # megatron's per-token-loss semantics: the RL loss returns (N * loss, tokens) per micro-batch and
+    # megatron divides by the summed token count (megapkl.parallel.megatron_loss explains why).
+    per_token_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +51,7 @@ class ModelOptions:
 def options_from_config(model_cfg: Any, parallel_cfg: Any) -> ModelOptions:
     """ModelOptions from the run config's `model` and `parallel` sections."""
     return ModelOptions(
+        per_token_loss=True,  # the trainer's policy loss (megapkl.parallel.megatron_loss)
         dtype=model_cfg.dtype,
         sequence_parallel=parallel_cfg.sequence_parallel,
         routing_replay=model_cfg.routing_replay,
@@ -153,6 +157,7 @@ def transformer_config(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        calculate_per_token_loss=opts.per_token_loss,
         # On gloo, batched p2p gives wrong results with interleaved pipelines (see notes).
         batch_p2p_comm=on_gpu,
     )
@@ -247,6 +252,11 @@ def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
     local = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
         normalization="RMSNorm")
+    if config.context_parallel_size > 1:
+        # megatron's local attention refuses CP; ours all-gathers K/V over the CP group (CPU path).
+        from megapkl.parallel.cp_attention import replace_core_attention
+
+        local = replace_core_attention(local)
     return _replace_norms(local, WrappedTorchNorm, QwenRMSNorm)
 
 

@@ -118,6 +118,21 @@ class SnapshotStore:
             self._snapshots[key] = self._copy_params(self._dtype)
         self._meta[key] = meta
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every snapshot (this rank's shards) and its meta, for a trainer checkpoint."""
+        if self._swapped is not None:
+            raise RuntimeError(f"snapshot {self._swapped!r} is swapped in")
+        return {"snapshots": self._snapshots, "meta": self._meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, tensors in state["snapshots"].items():
+            missing = set(self._params) - set(tensors)
+            if missing:
+                raise ValueError(f"snapshot {key!r} lacks parameters {sorted(missing)[:3]}: it was "
+                                 "saved for another model or parallel layout")
+        self._snapshots = dict(state["snapshots"])
+        self._meta = dict(state["meta"])
+
     def load(self, key: str) -> None:
         """Overwrite the live weights with snapshot `key` for good (e.g. a rollback)."""
         self._require(key)

@@ -1,0 +1,130 @@
+"""The learner: the policy on megatron-core with its optimizer, snapshots and distributed loss.
+
+One object per rank. `train_step` runs one optimizer update on this rank's share of a minibatch
+(megatron's forward-backward schedule with the partition-invariant policy loss of
+`megapkl.parallel.megatron_loss`), `logprobs` recomputes log-probs (optionally under a frozen
+snapshot), `export` streams the weights in Hugging Face names for the rollout engines.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megapkl.models.hf import export_hf_weights, load_hf_weights
+from megapkl.models.optimizer import (OptimSettings, attach_to_config, build_optimizer,
+                                      build_scheduler, optimizer_step, wrap_ddp, zero_grads)
+from megapkl.models.provider import build_model_chunks, options_from_config
+from megapkl.models.snapshot import SnapshotStore
+from megapkl.models.spec import spec_from_model_config
+from megapkl.parallel import megatron_loss as ML
+from megapkl.parallel.batching import Response, make_micro_batches, pad_multiple, shard_for_cp
+from megapkl.parallel.groups import ParallelGroups
+
+
+def optim_settings(cfg) -> OptimSettings:
+    """Adam settings from the run config's `train` section (SPEC 10)."""
+    t = cfg.train
+    return OptimSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip or 0.0,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+        decay_steps=t.steps if t.lr_schedule == "cosine" else None,
+        distributed_optimizer=cfg.parallel.distributed_optimizer)
+
+
+def hf_checkpoint_dir(cfg) -> Optional[Path]:
+    """The local HF checkpoint to start from, or None for megatron's random init."""
+    path = cfg.model.hf_checkpoint
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(
+            f"model.hf_checkpoint: {path} is not a local directory (megapkl never downloads "
+            "weights at run time: download the checkpoint first and give its path, or set "
+            "model.hf_checkpoint: null for a random init)")
+    return p
+
+
+class Learner:
+    def __init__(self, cfg, groups: ParallelGroups) -> None:
+        self.cfg, self.groups = cfg, groups
+        self.spec = spec_from_model_config(cfg.model)
+        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel))
+        ckpt = hf_checkpoint_dir(cfg)
+        if ckpt is not None:
+            load_hf_weights(chunks, ckpt, spec=self.spec, groups=groups)
+        self.settings = optim_settings(cfg)
+        self.model = wrap_ddp(chunks, self.settings)
+        self.optimizer = build_optimizer(self.model, self.settings)
+        self.scheduler = build_scheduler(self.optimizer, self.settings)
+        attach_to_config(self.model, self.optimizer)
+        self.snapshots = SnapshotStore(self.model)
+        self.temperature = cfg.rollout.temperature
+        self.multiple = pad_multiple(groups.cp_size, groups.tp_size, cfg.parallel.sequence_parallel)
+
+    # ------------------------------------------------------------------ batches
+
+    def micro_batches(self, responses: Sequence[Response]):
+        """This rank's CP shards of the micro-batches of `responses` (this DP rank's share)."""
+        per = self.cfg.parallel.micro_batch_size
+        num_micro = max(1, math.ceil(len(responses) / per))
+        mbs = make_micro_batches(responses, num_micro, self.multiple,
+                                 same_shape=self.groups.pp_size > 1)
+        return [shard_for_cp(mb, self.groups.cp_rank, self.groups.cp_size) for mb in mbs]
+
+    # ------------------------------------------------------------------ forward passes
+
+    def logprobs(self, responses: Sequence[Response], snapshot: Optional[str] = None
+                 ) -> dict[int, torch.Tensor]:
+        """{uid: [T]} log-probs of the responses' tokens under the current weights or a snapshot,
+        on every rank (broadcast from the last pipeline stage)."""
+        mbs = self.micro_batches(responses)
+        if snapshot is None:
+            out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
+        else:
+            with self.snapshots.swapped_in(snapshot):
+                out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
+        return self._from_last_stage(out)
+
+    def train_step(self, responses: Sequence[Response], step: int) -> tuple[dict[str, float], bool]:
+        """One optimizer update on this rank's share; returns (metrics, applied). A non-finite
+        loss skips the update (gradients dropped) and returns applied=False."""
+        obj = self.cfg.objective
+        mbs = self.micro_batches(responses)
+        zero_grads(self.model, self.optimizer)
+        stats = ML.count_minibatch(mbs, self.groups)
+        if ML.prepass_required(obj, self.groups, len(mbs)):
+            stats = ML.run_prepass(obj, self.groups, self.model, mbs, stats, self.temperature, step)
+        spec = ML.PolicyLossSpec(cfg=obj, groups=self.groups, stats=stats,
+                                 temperature=self.temperature, step=step)
+        reports = ML.forward_backward(spec, self.model, mbs)
+        metrics = self._from_last_stage(ML.reduce_reports(reports, self.groups)
+                                        if self.groups.is_last_pp_stage else {})
+        if not math.isfinite(metrics.get("loss", math.nan)):
+            zero_grads(self.model, self.optimizer)
+            return metrics, False
+        st = optimizer_step(self.optimizer, self.scheduler)
+        if st.grad_norm is not None:
+            metrics["grad_norm"] = st.grad_norm
+        metrics["lr"] = st.lr
+        return metrics, st.update_successful
+
+    # ------------------------------------------------------------------ weights
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight, on every rank (collective)."""
+        return export_hf_weights(self.model, spec=self.spec, groups=self.groups)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """The last pipeline stage's `obj` on every stage (one object broadcast over PP)."""
+        if self.groups.pp_size == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.groups.pp, self.groups.pp_size - 1)
+        dist.broadcast_object_list(box, src=src, group=self.groups.pp)
+        return box[0]

@@ -1,0 +1,40 @@
+"""Run the trainer on this machine: in-process for one rank, forked gloo ranks for more.
+
+Under torchrun or Slurm (WORLD_SIZE set, or torch.distributed already up) every rank simply calls
+`megapkl.train.loop.run`; `megapkl submit` covers Slurm.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+WEEK_S = 7 * 24 * 3600.0
+
+
+def world_size(cfg) -> int:
+    p = cfg.parallel
+    data = p.data if isinstance(p.data, int) else 1
+    return p.tensor * p.pipeline * p.context * data
+
+
+def _rank_main(rank: int, world: int, cfg) -> Any:
+    from megapkl.train.loop import run
+
+    return run(cfg)
+
+
+def train_local(cfg) -> list[dict]:
+    """Train `cfg`; returns every rank's last metrics (rank order)."""
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
+        from megapkl.train.loop import run
+
+        return [run(cfg)]
+    world = world_size(cfg)
+    if world == 1:
+        return [_rank_main(0, 1, cfg)]
+    from megapkl.parallel.forked import run_forked
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    return run_forked(_rank_main, world, cfg, timeout=WEEK_S, threads=threads)

@@ -1,0 +1,209 @@
+"""Rollout stage of the train loop: prompts -> engine (at the scheduled versions) -> rewards ->
+advantages -> dynamic sampling, for this data-parallel rank's share of a global batch.
+
+Every rank walks the same prompt sequence; data-parallel rank d takes its contiguous slice of each
+draw, so the global batch does not depend on the DP size. Within a model-parallel replica (the
+ranks sharing a DP index) only the first rank runs the engine and broadcasts the samples. The
+engine keeps the weights of the policy versions the schedule still needs (`pool`), in Hugging Face
+names, so stale protocols (controlled staleness, uniform stale) generate from exact old weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megapkl.objectives.advantages import compute_advantages
+from megapkl.objectives.sis import mix64_int
+from megapkl.rollout.data import PromptIterator, build_prompt_dataset
+from megapkl.rollout.engine import SamplingParams
+from megapkl.rollout.rewards import build_reward
+from megapkl.rollout.sample import Sample
+
+MAX_ROUNDS = 64  # dynamic sampling: global draws before giving up on filling a batch
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+def build_tokenizer_and_data(cfg):
+    """(tokenizer, dataset, task) for the run's data section."""
+    task = None
+    if cfg.data.synthetic:
+        from megapkl.rollout.synthetic import make_synthetic_task
+
+        task = make_synthetic_task(cfg.data.synthetic)
+        tokenizer = task.tokenizer
+    else:
+        from transformers import AutoTokenizer
+
+        source = cfg.model.tokenizer or cfg.model.hf_checkpoint
+        if not source:
+            raise RolloutError("data.train_path needs a tokenizer: set model.tokenizer or "
+                               "model.hf_checkpoint to a local directory")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    dataset = build_prompt_dataset(cfg.data, tokenizer, max_prompt_len=cfg.rollout.max_prompt_len)
+    return tokenizer, dataset, task
+
+
+class RolloutStage:
+    def __init__(self, cfg, spec, *, dp_rank: int, dp_size: int, leader: bool,
+                 replica_group: Any, dp_group: Any) -> None:
+        r = cfg.rollout
+        if r.engine != "embedded":
+            raise RolloutError("rollout.engine: sglang is not available in this build; use "
+                               "rollout.engine: embedded")
+        if r.prompts_per_batch % (dp_size * r.minibatches_per_batch):
+            raise RolloutError(
+                f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
+                f"data-parallel size ({dp_size}) x rollout.minibatches_per_batch "
+                f"({r.minibatches_per_batch}) so every rank holds whole prompt groups")
+        self.cfg, self.dp_rank, self.dp_size, self.leader = cfg, dp_rank, dp_size, leader
+        self.replica_group, self.dp_group = replica_group, dp_group
+        self.tokenizer, self.dataset, task = build_tokenizer_and_data(cfg)
+        self.reward = build_reward(cfg.reward, cfg.data, self.tokenizer, task)
+        self.prompts = PromptIterator(len(self.dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.per_rank = r.prompts_per_batch // dp_size
+        self.group_size = r.responses_per_prompt
+        k = r.topk_logprobs or 0
+        self.sampling = SamplingParams.from_rollout_config(r, topk_logprobs=k,
+                                                           return_routed_experts=cfg.model.routing_replay)
+        self.pool: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.engine = None
+        if leader:
+            from megapkl.models.spec import hf_config_dict
+            from megapkl.rollout.embedded import EmbeddedEngine
+
+            self.engine = EmbeddedEngine(hf_config_dict(spec, dtype="float32"),
+                                         tokenizer=self.tokenizer, seed=cfg.seed)
+
+    # ------------------------------------------------------------------ weights
+
+    def remember(self, version: int, weights) -> None:
+        """Keep the weights of `version` (an iterator of (HF name, tensor); consumed on every rank
+        because the export is collective, stored only by the engine's rank)."""
+        kept = [(n, t.detach().to("cpu", copy=True)) for n, t in weights]
+        if self.leader:
+            self.pool[version] = kept
+
+    def forget_before(self, version: int) -> None:
+        for v in [v for v in self.pool if v < version]:
+            del self.pool[v]
+
+    def _use_version(self, version: int) -> None:
+        if self.engine.version == version:
+            return
+        if version not in self.pool:
+            raise RolloutError(f"policy version {version} is not in the snapshot pool "
+                               f"(held: {sorted(self.pool)})")
+        self.engine.update_weights(self.pool[version], version)
+
+    # ------------------------------------------------------------------ batches
+
+    def collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
+        """This rank's `per_rank` prompt groups of global batch `batch`, with rewards and
+        advantages (Sample.metadata['advantage'])."""
+        kept: list[list[Sample]] = []
+        drawn = 0
+        for rnd in range(MAX_ROUNDS):
+            idx = self.prompts.next_indices(self.cfg.rollout.prompts_per_batch)
+            drawn += len(idx)
+            mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
+            groups = self._generate(batch, rnd, [(idx[g], g, group_versions[g]) for g in mine])
+            for members in groups:
+                if self.cfg.advantage.filter_constant_groups and _constant(members):
+                    continue
+                kept.append(members)
+            if self._all_ranks_full(len(kept) >= self.per_rank):
+                break
+        else:
+            raise RolloutError(
+                f"dynamic sampling: fewer than {self.per_rank} prompt groups with non-constant "
+                f"rewards after {drawn} prompts ({MAX_ROUNDS} draws); the task is too easy or too "
+                "hard for the policy (advantage.filter_constant_groups)")
+        samples = [s for members in kept[: self.per_rank] for s in members]
+        self._advantages(samples)
+        return samples
+
+    def _generate(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]) -> list[list[Sample]]:
+        """[(dataset index, global group slot, version)] -> samples per group, on every replica rank."""
+        out: list[Optional[list[list[Sample]]]] = [None]
+        if self.leader:
+            groups: dict[int, list[Sample]] = {}
+            for version in sorted({v for _, _, v in todo}):
+                part = [(i, slot) for i, slot, v in todo if v == version]
+                self._use_version(version)
+                seed = mix64_int(mix64_int(mix64_int(self.cfg.seed) + batch) + rnd * 7919 + version) >> 1
+                sampling = _with_seed(self.sampling, seed)
+                samples = self.engine.generate([self.dataset[i] for i, _ in part], self.group_size, sampling)
+                self.reward(samples)
+                for j, (_, slot) in enumerate(part):
+                    members = samples[j * self.group_size:(j + 1) * self.group_size]
+                    self._label(members, batch, rnd, slot)
+                    groups[slot] = members
+            out = [[groups[slot] for _, slot, _ in todo]]
+        if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
+            dist.broadcast_object_list(out, src=dist.get_global_rank(self.replica_group, 0),
+                                       group=self.replica_group)
+        return out[0]
+
+    def _label(self, members: list[Sample], batch: int, rnd: int, slot: int) -> None:
+        """Global uid and group id: unique over batches, refill rounds and DP ranks."""
+        p, g = self.cfg.rollout.prompts_per_batch, self.group_size
+        group_id = (batch * MAX_ROUNDS + rnd) * p + slot
+        for j, s in enumerate(members):
+            s.group_id, s.uid = group_id, group_id * g + j
+
+    def _all_ranks_full(self, mine: bool) -> bool:
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return bool(flag.item())
+
+    def _advantages(self, samples: list[Sample]) -> None:
+        a = self.cfg.advantage
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        groups = torch.tensor([s.group_id for s in samples])
+        adv = compute_advantages(rewards, groups, a.mode, a.perturb_baseline, a.std_eps)
+        for s, v in zip(samples, adv.tolist()):
+            s.metadata["advantage"] = v
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        return {"prompts": self.prompts.state_dict(),
+                "pool": self.pool if self.leader else None,
+                "engine_version": self.engine.version if self.leader else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        if self.leader:
+            self.pool = state["pool"]
+            v = state["engine_version"]
+            if v is not None:
+                self._use_version(v)
+
+
+def _constant(members: Sequence[Sample]) -> bool:
+    return len({s.reward for s in members}) == 1
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=seed)
+
+
+def batch_summary(samples: Sequence[Sample], reward) -> dict[str, float]:
+    """Local sums for the rollout metrics (reduced over DP by the loop)."""
+    n = len(samples)
+    return {"n": float(n), "reward": float(sum(s.reward for s in samples)),
+            "correct": float(sum(s.reward == reward.correct for s in samples)),
+            "resp_len": float(sum(s.response_len for s in samples))}
+
+
+def math_ceil(a: int, b: int) -> int:
+    return -(-a // b)
