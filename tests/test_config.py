@@ -13,9 +13,18 @@ from megapkl.config.yamlio import parse
 
 CONFIGS = configs_dir()
 # configs/models/ holds model-architecture files of the model room (a different schema, looked up by
-# model.name); every other YAML under configs/ is a run config.
+# model.name); files named `_*.yaml` are fragments that experiments extend (tests/launch loads every
+# experiment built on them); every other YAML under configs/ is a run config.
 MODEL_YAML = sorted((CONFIGS / "models").glob("*.yaml"))
-ALL_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if p not in MODEL_YAML)
+FRAGMENTS = sorted(CONFIGS.rglob("_*.yaml"))
+ALL_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if p not in MODEL_YAML and p not in FRAGMENTS)
+
+
+def test_every_fragment_is_extended_by_some_run():
+    """A fragment that no run config extends is dead weight (or a typo in an `extends:`)."""
+    texts = "\n".join(p.read_text() for p in ALL_YAML)
+    for frag in FRAGMENTS:
+        assert frag.name in texts, f"{_rel(frag)} is extended by no run config"
 
 
 def _rel(p: Path) -> str:
