@@ -1,0 +1,259 @@
+"""Responses -> megatron micro-batches -> context-parallel shards -> `TokenBatch` of action tokens.
+
+One row per response (prompt + response, right-padded), so every row starts at position 0 and
+megatron's RoPE and causal masking need no packing metadata:
+
+    tokens     [b, S]  prompt ids, response ids, then `pad_id`
+    labels     [b, S]  labels[i] = tokens[i + 1] on the FULL sequence, before any CP sharding
+    loss_mask  [b, S]  True at the label positions of action (response) tokens
+    action_pos [b, S]  1-based position of that action token within its response (0 elsewhere)
+    detached per-action-token fields (logp_behav, logp_prox, logp_init, topk_ids,
+    topk_logp_behav) placed at the same label positions: action token j of a response with a
+    P-token prompt is predicted by the logits at position P - 1 + j.
+
+Why the shift must happen before sharding (the classic CP bug): CP rank r holds chunks r and
+2cp-1-r of the sequence, so the local token after the last one of chunk r is the first of chunk
+2cp-1-r, not the first of chunk r+1. Shifting the local tokens would pair the boundary logits with
+the wrong next token.
+
+S is a multiple of `pad_multiple(cp, tp, sequence_parallel)` = 2*cp (times tp with sequence
+parallelism) so the 2*cp chunks (and the SP split of each) are equal. `shard_for_cp` applies
+Megatron's load-balanced layout (`megatron.core.utils.get_batch_on_this_cp_rank` semantics) to
+every [b, S, ...] tensor; per-response tensors (full lengths, advantages, group, uid) stay whole.
+`token_batch` then lists this rank's action tokens in response order as a `TokenBatch`; a
+response may have no local action token on a CP rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megapkl.objectives.batch import TokenBatch
+
+# Per-action-token detached fields carried from the rollout: name -> trailing dims (K for top-K).
+TOKEN_FIELDS = ("logp_behav", "logp_prox", "logp_init", "topk_ids", "topk_logp_behav")
+
+
+@dataclass
+class Response:
+    """One sampled response and what the rollout logged for it (per response token, [T] / [T, K])."""
+
+    prompt_ids: Tensor
+    response_ids: Tensor
+    logp_behav: Tensor
+    advantage: float
+    group: int
+    uid: int
+    logp_prox: Optional[Tensor] = None
+    logp_init: Optional[Tensor] = None
+    topk_ids: Optional[Tensor] = None
+    topk_logp_behav: Optional[Tensor] = None
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.response_ids.numel())
+
+
+@dataclass
+class MicroBatch:
+    """Megatron inputs of one micro-batch (full sequence, or one CP rank's shard of it).
+
+    Rows >= `num_responses` are padding rows (no action tokens), used to give every micro-batch
+    of a pipeline-parallel step the same [b, S].
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    action_pos: Tensor
+    lengths: Tensor          # [b] T_m, full response lengths (0 for padding rows)
+    advantages: Tensor       # [b]
+    group: Tensor            # [b] prompt-group ids
+    uid: Tensor              # [b] global response ids
+    num_responses: int
+    seq_length: int          # S of the full sequence (before CP sharding)
+    fields: dict[str, Tensor] = field(default_factory=dict)   # TOKEN_FIELDS at label positions
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Action tokens in this (shard of the) micro-batch."""
+        return int(self.loss_mask.sum())
+
+
+def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Sequence length granularity: 2*cp equal CP chunks, each split over TP under SP."""
+    return 2 * cp_size * (tp_size if sequence_parallel else 1)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack(responses: Sequence[Response], multiple: int, *, seq_length: Optional[int] = None,
+         rows: Optional[int] = None, pad_id: int = 0) -> MicroBatch:
+    """Right-padded [rows, S] megatron inputs of `responses`, labels shifted on the full sequence.
+
+    S = `seq_length` if given (must fit and be a multiple of `multiple`), else the longest
+    prompt + response rounded up to `multiple`. `rows` >= len(responses) adds padding rows.
+    """
+    if not responses:
+        raise ValueError("pack: no responses")
+    b = len(responses) if rows is None else rows
+    if b < len(responses):
+        raise ValueError(f"pack: rows={rows} < {len(responses)} responses")
+    longest = max(r.prompt_ids.numel() + r.response_ids.numel() for r in responses)
+    s = _round_up(longest, multiple) if seq_length is None else seq_length
+    if s < longest or s % multiple:
+        raise ValueError(f"pack: seq_length {s} must be >= {longest} and a multiple of {multiple}")
+    tokens = torch.full((b, s), pad_id, dtype=torch.int64)
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    action_pos = torch.zeros(b, s, dtype=torch.int64)
+    fields = _empty_fields(responses[0], b, s)
+    for i, r in enumerate(responses):
+        p, t = r.prompt_ids.numel(), r.response_ids.numel()
+        if p < 1:
+            raise ValueError(f"pack: response uid={r.uid} has an empty prompt; the first action "
+                             "token needs a preceding token to be predicted from")
+        if t < 1:
+            raise ValueError(f"pack: response uid={r.uid} has no action tokens")
+        tokens[i, :p] = r.prompt_ids
+        tokens[i, p:p + t] = r.response_ids
+        at = slice(p - 1, p - 1 + t)          # label positions of the action tokens
+        loss_mask[i, at] = True
+        action_pos[i, at] = torch.arange(1, t + 1)
+        for name, buf in fields.items():
+            value = getattr(r, name)
+            if value is None or value.shape[0] != t:
+                raise ValueError(f"pack: response uid={r.uid}: {name} must have {t} rows "
+                                 f"(one per action token), got "
+                                 f"{None if value is None else list(value.shape)}")
+            buf[i, at] = value.to(buf.dtype)
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]            # the shift, on the full sequence
+    labels = torch.where(loss_mask, labels, torch.zeros_like(labels))
+    m = len(responses)
+    pad = b - m
+    per_resp = lambda vals, dtype: torch.cat([torch.tensor(vals, dtype=dtype),  # noqa: E731
+                                             torch.zeros(pad, dtype=dtype)])
+    return MicroBatch(
+        tokens=tokens, position_ids=torch.arange(s).expand(b, s).clone(), labels=labels,
+        loss_mask=loss_mask, action_pos=action_pos,
+        lengths=per_resp([r.num_actions for r in responses], torch.int64),
+        advantages=per_resp([float(r.advantage) for r in responses], responses[0].logp_behav.dtype),
+        group=per_resp([int(r.group) for r in responses], torch.int64),
+        uid=per_resp([int(r.uid) for r in responses], torch.int64),
+        num_responses=m, seq_length=s, fields=fields)
+
+
+def _empty_fields(first: Response, b: int, s: int) -> dict[str, Tensor]:
+    """Zero [b, S(, K)] buffers for the fields the responses carry (decided by the first one)."""
+    out = {}
+    for name in TOKEN_FIELDS:
+        value = getattr(first, name)
+        if value is not None:
+            out[name] = torch.zeros((b, s, *value.shape[1:]), dtype=value.dtype)
+    return out
+
+
+def split_responses(responses: Sequence[Response], num_micro: int) -> list[list[Response]]:
+    """Contiguous, near-equal split into `num_micro` micro-batches (the first get the extra)."""
+    if not 1 <= num_micro <= len(responses):
+        raise ValueError(f"split_responses: cannot split {len(responses)} responses into {num_micro}")
+    base, extra = divmod(len(responses), num_micro)
+    out, start = [], 0
+    for i in range(num_micro):
+        n = base + (i < extra)
+        out.append(list(responses[start:start + n]))
+        start += n
+    return out
+
+
+def make_micro_batches(responses: Sequence[Response], num_micro: int, multiple: int, *,
+                       same_shape: bool = False, pad_id: int = 0) -> list[MicroBatch]:
+    """Split and pack. `same_shape=True` pads every micro-batch to one [b, S] (pipeline
+    parallelism sends activations of a fixed shape between stages)."""
+    parts = split_responses(responses, num_micro)
+    if not same_shape:
+        return [pack(p, multiple, pad_id=pad_id) for p in parts]
+    longest = max(r.prompt_ids.numel() + r.response_ids.numel() for r in responses)
+    s, rows = _round_up(longest, multiple), max(len(p) for p in parts)
+    return [pack(p, multiple, seq_length=s, rows=rows, pad_id=pad_id) for p in parts]
+
+
+# ----------------------------------------------------------------------------- context parallel
+
+def cp_slice(x: Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> Tensor:
+    """Chunks cp_rank and 2cp-1-cp_rank of 2*cp equal chunks along `dim` (Megatron's layout)."""
+    if cp_size == 1:
+        return x
+    n = x.shape[dim]
+    if n % (2 * cp_size):
+        raise ValueError(f"cp_slice: length {n} is not a multiple of 2*cp = {2 * cp_size}")
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+
+
+def shard_for_cp(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
+    """This CP rank's shard: every per-position tensor sliced, per-response tensors kept whole."""
+    if mb.cp_size != 1:
+        raise ValueError("shard_for_cp: micro-batch is already a CP shard")
+    sl = lambda t: cp_slice(t, cp_rank, cp_size, dim=1)  # noqa: E731
+    return dataclasses.replace(
+        mb, tokens=sl(mb.tokens), position_ids=sl(mb.position_ids), labels=sl(mb.labels),
+        loss_mask=sl(mb.loss_mask), action_pos=sl(mb.action_pos),
+        fields={k: sl(v) for k, v in mb.fields.items()}, cp_rank=cp_rank, cp_size=cp_size)
+
+
+# ----------------------------------------------------------------------------- action tokens
+
+def action_labels(mb: MicroBatch) -> Tensor:
+    """[N] sampled token ids of the local action tokens, in `token_batch` order."""
+    return mb.labels[mb.loss_mask]
+
+
+def action_topk_ids(mb: MicroBatch) -> Optional[Tensor]:
+    """[N, K] behavior top-K ids of the local action tokens, or None."""
+    ids = mb.fields.get("topk_ids")
+    return None if ids is None else ids[mb.loss_mask]
+
+
+def action_values(mb: MicroBatch, per_position: Tensor) -> Tensor:
+    """Select the local action tokens of a [b, S_local, ...] tensor (e.g. logits), in order."""
+    return per_position[mb.loss_mask]
+
+
+def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = None,
+                entropy: Optional[Tensor] = None, step: int = 0) -> TokenBatch:
+    """The local action tokens as a `TokenBatch` in response order (row-major over the mask).
+
+    Within a row the local columns are chunk r then chunk 2cp-1-r, both increasing in global
+    position, so row-major order is response order with increasing positions. `logp`,
+    `topk_logp`, `entropy` are [N] / [N, K] in the same order (e.g. computed from
+    `action_values(mb, logits)`).
+    """
+    mask = mb.loss_mask
+    rows = mask.nonzero(as_tuple=True)[0]
+    m = mb.num_responses
+    f = {k: v[mask] for k, v in mb.fields.items()}
+    dtype = logp.dtype
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return TokenBatch(
+        logp=logp, logp_behav=cast(f["logp_behav"]), advantages=mb.advantages.to(dtype)[rows],
+        response_index=rows, group_index=mb.group[:m], positions=mb.action_pos[mask],
+        logp_prox=cast(f.get("logp_prox")), logp_init=cast(f.get("logp_init")),
+        token_ids=mb.labels[mask], topk_ids=f.get("topk_ids"),
+        topk_logp_behav=cast(f.get("topk_logp_behav")), topk_logp=topk_logp,
+        response_uid=mb.uid[:m], step=step, entropy=entropy)
+
+
+def response_lengths(mb: MicroBatch) -> Tensor:
+    """[M] full T_m of the micro-batch's responses (for `LossContext.response_lengths`)."""
+    return mb.lengths[:mb.num_responses]
+

@@ -1,0 +1,199 @@
+"""Helpers for the model-level partition-invariance tests (run inside forked gloo ranks).
+
+A tiny fp32 megatron-core GPTModel (local spec, RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups),
+a fixed minibatch of 12 responses in 3 groups of 4 with very different prompt and response
+lengths, the single-process reference (megatron's own DotProductAttention, plain log_softmax,
+`policy_loss` on the whole minibatch, plain autograd) and the distributed run (our CP attention,
+megatron DDP + schedules + finalize_model_grads, `megapkl.parallel.megatron_loss`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 32, 4, 2, 64, 2
+TEMPERATURE, TOPK, SEED = 0.8, 4, 1234
+# (prompt length, response length) per uid; group = uid // 4. uid 3 has a 1-token prompt and the
+# longest response, uid 5 a 1-token response; uids 0 and 4 together leave one CP=2 rank without
+# any action token (labels only in chunks 0 and 3).
+LENGTHS = [(3, 2), (5, 30), (12, 17), (1, 45), (30, 4), (8, 1), (20, 25), (2, 9), (15, 33), (6, 12),
+           (25, 20), (9, 6)]
+# Data-parallel placement: interleaved so every prompt group is torn across DP ranks and
+# micro-batches (DP rank d takes ORDER[d * 12/dp : ...], micro-batches are contiguous in that).
+ORDER = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
+
+
+def model_config(tp=1, pp=1, cp=1):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, calculate_per_token_loss=True)
+
+
+def gpt(config, spec, pre=True, post=True):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=128,
+                    position_embedding_type="rope", pre_process=pre, post_process=post)
+
+
+def reference_model():
+    """Single process, megatron's own local attention (the CP module is checked against it)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megapkl.parallel.groups import init_parallel
+
+    init_parallel(seed=SEED)
+    return gpt(model_config(), get_gpt_layer_local_spec(normalization="RMSNorm"))
+
+
+# ----------------------------------------------------------------------------- weights
+
+def tp_slice(full, p, tp_rank, tp_size):
+    """This TP rank's shard of a full tensor (inverse of gathering with megatron's stride)."""
+    if not getattr(p, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    stride = getattr(p, "partition_stride", 1)
+    pieces = full.chunk(stride * tp_size, dim=p.partition_dim)
+    return torch.cat([pieces[s * tp_size + tp_rank] for s in range(stride)], dim=p.partition_dim)
+
+
+def tp_gather(t, p, group):
+    if not getattr(p, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return t.clone()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    stride = getattr(p, "partition_stride", 1)
+    pieces = [q.chunk(stride, dim=p.partition_dim) for q in parts]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(parts))],
+                     dim=p.partition_dim)
+
+
+def global_name(name, pp_rank, pp_size):
+    """Local layer numbering of a pipeline stage -> the single-stage name."""
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + pp_rank * (LAYERS // pp_size))
+    return ".".join(parts)
+
+
+def load_full_state(module, state, groups):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            full = state[global_name(name, groups.pp_rank, groups.pp_size)]
+            p.copy_(tp_slice(full, p, groups.tp_rank, groups.tp_size))
+
+
+def full_grads(module, groups, attr="main_grad"):
+    return {global_name(n, groups.pp_rank, groups.pp_size): tp_gather(getattr(p, attr), p, groups.tp)
+            for n, p in module.named_parameters()}
+
+
+def distributed_model(groups, state, cp_attention=True):
+    """Our CP-capable spec, weights from `state`, wrapped in megatron DDP with per-token loss."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megapkl.parallel.cp_attention import gpt_layer_spec_with_cp_attention
+
+    config = model_config(groups.tp_size, groups.pp_size, groups.cp_size)
+    spec = (gpt_layer_spec_with_cp_attention(normalization="RMSNorm") if cp_attention
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    module = gpt(config, spec, groups.is_first_pp_stage, groups.is_last_pp_stage)
+    load_full_state(module, state, groups)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        module)
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp, module
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_responses(model):
+    """The minibatch; behavior/proximal/init log-probs and top-K are the model's own values
+    (temperature-scaled) plus noise, so ratios are near 1 but not equal."""
+    from megapkl.parallel.batching import Response
+
+    g = torch.Generator().manual_seed(7)
+    raw = []
+    for uid, (p, t) in enumerate(LENGTHS):
+        raw.append((torch.randint(0, VOCAB, (p,), generator=g), torch.randint(0, VOCAB, (t,), generator=g)))
+    logps = reference_logprobs(model, raw)
+    rewards = torch.randn(len(raw), generator=g)
+    out = []
+    for uid, ((prompt, resp), (lp_all, _)) in enumerate(zip(raw, logps)):
+        t = resp.numel()
+        lp = lp_all.gather(1, resp[:, None])[:, 0]
+        noise = lambda s: s * torch.randn(t, generator=g)  # noqa: E731
+        behav = lp + noise(0.3)
+        topk = torch.stack([torch.randperm(VOCAB, generator=g)[:TOPK] for _ in range(t)])
+        hit = torch.rand(t, generator=g) < 0.8          # the sampled token is usually in the top-K
+        topk[hit, 0] = resp[hit]
+        topk_behav = lp_all.gather(1, topk) + 0.3 * torch.randn(t, TOPK, generator=g)
+        topk_behav[hit, 0] = behav[hit]                 # mu's top-K value at a_t is logp_behav
+        group = uid // 4
+        out.append(Response(prompt_ids=prompt, response_ids=resp, logp_behav=behav,
+                            advantage=float(rewards[uid] - rewards[group * 4:group * 4 + 4].mean()),
+                            group=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
+                            topk_ids=topk, topk_logp_behav=topk_behav))
+    return out
+
+
+def reference_logprobs(model, raw):
+    """Per response: ([T, V] log-softmax at the action label positions, [T] entropy), one padded
+    batch, computed independently of megapkl.parallel.batching."""
+    s = max(p.numel() + r.numel() for p, r in raw)
+    tokens = torch.zeros(len(raw), s, dtype=torch.int64)
+    for i, (p, r) in enumerate(raw):
+        tokens[i, :p.numel() + r.numel()] = torch.cat([p, r])
+    logits = model(tokens, torch.arange(s).expand(len(raw), s), attention_mask=None)
+    out = []
+    for i, (p, r) in enumerate(raw):
+        rows = logits[i, p.numel() - 1:p.numel() - 1 + r.numel()].float() / TEMPERATURE
+        lp = torch.log_softmax(rows, dim=-1)
+        out.append((lp, -(lp.exp() * lp).sum(-1)))
+    return out
+
+
+def reference_batch(model, responses, entropy=False):
+    """The whole minibatch as one `TokenBatch` from the reference model (differentiable)."""
+    from megapkl.objectives import TokenBatch
+
+    lps = reference_logprobs(model, [(r.prompt_ids, r.response_ids) for r in responses])
+    cat = lambda f: torch.cat([f(r, lp, h) for r, (lp, h) in zip(responses, lps)])  # noqa: E731
+    lengths = torch.tensor([r.num_actions for r in responses])
+    return TokenBatch(
+        logp=cat(lambda r, lp, h: lp.gather(1, r.response_ids[:, None])[:, 0]),
+        logp_behav=cat(lambda r, lp, h: r.logp_behav), logp_prox=cat(lambda r, lp, h: r.logp_prox),
+        logp_init=cat(lambda r, lp, h: r.logp_init),
+        advantages=cat(lambda r, lp, h: torch.full((r.num_actions,), r.advantage)),
+        response_index=torch.repeat_interleave(torch.arange(len(responses)), lengths),
+        group_index=torch.tensor([r.group for r in responses]),
+        positions=cat(lambda r, lp, h: torch.arange(1, r.num_actions + 1)),
+        token_ids=cat(lambda r, lp, h: r.response_ids), topk_ids=cat(lambda r, lp, h: r.topk_ids),
+        topk_logp_behav=cat(lambda r, lp, h: r.topk_logp_behav),
+        topk_logp=cat(lambda r, lp, h: lp.gather(1, r.topk_ids)),
+        response_uid=torch.tensor([r.uid for r in responses]), step=3,
+        entropy=cat(lambda r, lp, h: h) if entropy else None)
+
+
+def dp_share(responses, dp_rank, dp_size):
+    by_uid = {r.uid: r for r in responses}
+    n = len(ORDER) // dp_size
+    return [by_uid[u] for u in ORDER[dp_rank * n:(dp_rank + 1) * n]]
+
+
+def shift_after_sharding(mb):
+    """The classic CP bug, for the test that must catch it: labels from the LOCAL token order."""
+    labels = torch.zeros_like(mb.tokens)
+    labels[:, :-1] = mb.tokens[:, 1:]
+    return dataclasses.replace(mb, labels=torch.where(mb.loss_mask, labels, torch.zeros_like(labels)))

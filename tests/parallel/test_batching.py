@@ -1,0 +1,92 @@
+"""Responses -> micro-batches -> CP shards -> TokenBatch (megapkl.parallel.batching), no model."""
+import pytest
+import torch
+
+from megapkl.parallel import batching as B
+
+
+def responses(lengths=((3, 2), (1, 9), (7, 1), (2, 13), (5, 6)), k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for uid, (p, t) in enumerate(lengths):
+        out.append(B.Response(
+            prompt_ids=torch.randint(1, 50, (p,), generator=g), response_ids=torch.randint(1, 50, (t,), generator=g),
+            logp_behav=-torch.rand(t, generator=g), advantage=float(uid) - 2.0, group=uid // 2, uid=100 + uid,
+            logp_prox=-torch.rand(t, generator=g), topk_ids=torch.randint(0, 50, (t, k), generator=g),
+            topk_logp_behav=-torch.rand(t, k, generator=g)))
+    return out
+
+
+def test_pack_shifts_labels_on_the_full_sequence_and_aligns_fields():
+    rs = responses()
+    mb = B.pack(rs, multiple=4)
+    assert mb.tokens.shape == (5, 16) and mb.seq_length == 16        # longest 15 -> 16
+    for i, r in enumerate(rs):
+        p, t = r.prompt_ids.numel(), r.num_actions
+        assert torch.equal(mb.tokens[i, :p + t], torch.cat([r.prompt_ids, r.response_ids]))
+        m = mb.loss_mask[i]
+        assert int(m.sum()) == t and bool(m[p - 1:p - 1 + t].all())
+        assert torch.equal(mb.labels[i][m], r.response_ids)            # next token of the logits
+        assert torch.equal(mb.action_pos[i][m], torch.arange(1, t + 1))
+        assert torch.equal(mb.fields["logp_behav"][i][m], r.logp_behav)
+        assert torch.equal(mb.fields["topk_ids"][i][m], r.topk_ids)
+    assert torch.equal(B.response_lengths(mb), torch.tensor([2, 9, 1, 13, 6]))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_cp_shards_partition_the_action_tokens_in_response_order(cp):
+    rs = responses()
+    mb = B.pack(rs, multiple=B.pad_multiple(cp))
+    full = B.token_batch(mb, torch.zeros(mb.num_action_tokens))
+    seen = {}
+    for rank in range(cp):
+        sh = B.shard_for_cp(mb, rank, cp)
+        assert sh.tokens.shape[1] == mb.seq_length // cp
+        tb = B.token_batch(sh, torch.zeros(sh.num_action_tokens))
+        tb.validate(need_sis=False, full_lengths=B.response_lengths(sh))  # order and positions
+        assert torch.equal(tb.group_index, full.group_index) and torch.equal(tb.response_uid, full.response_uid)
+        for j in range(tb.num_tokens):
+            key = (int(tb.response_index[j]), int(tb.positions[j]))
+            assert key not in seen
+            seen[key] = (int(tb.token_ids[j]), float(tb.logp_behav[j]), float(tb.advantages[j]))
+    assert len(seen) == full.num_tokens
+    for j in range(full.num_tokens):
+        key = (int(full.response_index[j]), int(full.positions[j]))
+        assert seen[key] == (int(full.token_ids[j]), float(full.logp_behav[j]), float(full.advantages[j]))
+
+
+def test_shifting_after_sharding_would_pair_wrong_tokens():
+    """The classic CP bug changes some action labels (those at a chunk's last position)."""
+    mb = B.pack(responses(), multiple=4)
+    sh = B.shard_for_cp(mb, 0, 2)
+    local = torch.zeros_like(sh.tokens)
+    local[:, :-1] = sh.tokens[:, 1:]
+    assert not torch.equal(local[sh.loss_mask], sh.labels[sh.loss_mask])
+
+
+def test_same_shape_micro_batches_pad_rows_and_length():
+    rs = responses()
+    mbs = B.make_micro_batches(rs, 2, multiple=4, same_shape=True)
+    assert [mb.num_responses for mb in mbs] == [3, 2]
+    assert {tuple(mb.tokens.shape) for mb in mbs} == {(3, 16)}
+    tb = B.token_batch(mbs[1], torch.zeros(mbs[1].num_action_tokens))
+    assert tb.num_responses == 2 and tb.response_uid.tolist() == [103, 104]
+    assert not bool(mbs[1].loss_mask[2].any())
+
+
+def test_split_and_errors():
+    assert [len(p) for p in B.split_responses(list(range(7)), 3)] == [3, 2, 2]
+    with pytest.raises(ValueError, match="cannot split"):
+        B.split_responses([1, 2], 3)
+    r = responses()[0]
+    bad = B.Response(prompt_ids=torch.zeros(0, dtype=torch.int64), response_ids=r.response_ids,
+                     logp_behav=r.logp_behav, advantage=0.0, group=0, uid=1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        B.pack([bad], 2)
+    short = B.Response(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logp_behav=r.logp_behav[:1],
+                       advantage=0.0, group=0, uid=2)
+    with pytest.raises(ValueError, match="logp_behav must have"):
+        B.pack([short], 2)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp"):
+        B.cp_slice(torch.zeros(1, 6), 0, 2)
+    assert B.pad_multiple(2, 2, sequence_parallel=True) == 8 and B.pad_multiple(2, 2) == 4
