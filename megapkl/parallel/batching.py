@@ -52,6 +52,9 @@ class Response:
     logp_init: Optional[Tensor] = None
     topk_ids: Optional[Tensor] = None
     topk_logp_behav: Optional[Tensor] = None
+    # MoE routing replay (R3): the engine's experts, rows = prompt + response - 1 tokens (each
+    # token whose successor was predicted), [rows, num_moe_layers, top_k] (SGLang's layout).
+    routed_experts: Optional[Tensor] = None
 
     @property
     def num_actions(self) -> int:
@@ -80,6 +83,9 @@ class MicroBatch:
     fields: dict[str, Tensor] = field(default_factory=dict)   # TOKEN_FIELDS at label positions
     cp_rank: int = 0
     cp_size: int = 1
+    # [b, S, L, k] experts to replay over the FULL sequence (R3), or None. Not CP-sharded here:
+    # megapkl.models.replay slices it for the rank's CP chunks, TP/SP part and PP layers.
+    routed: Optional[Tensor] = None
 
     @property
     def num_action_tokens(self) -> int:
@@ -144,12 +150,33 @@ def pack(responses: Sequence[Response], multiple: int, *, seq_length: Optional[i
                                              torch.zeros(pad, dtype=dtype)])
     return MicroBatch(
         tokens=tokens, position_ids=torch.arange(s).expand(b, s).clone(), labels=labels,
-        loss_mask=loss_mask, action_pos=action_pos,
+        loss_mask=loss_mask, action_pos=action_pos, routed=_routed(responses, b, s),
         lengths=per_resp([r.num_actions for r in responses], torch.int64),
         advantages=per_resp([float(r.advantage) for r in responses], responses[0].logp_behav.dtype),
         group=per_resp([int(r.group) for r in responses], torch.int64),
         uid=per_resp([int(r.uid) for r in responses], torch.int64),
         num_responses=m, seq_length=s, fields=fields)
+
+
+def _routed(responses: Sequence[Response], b: int, s: int) -> Optional[Tensor]:
+    """[b, S, L, k] replay targets, or None when the responses carry no routed experts.
+
+    Rows the engine did not report (each sequence's last token, padding) route to experts
+    0..k-1: their outputs feed no loss term (causal attention keeps them out of earlier tokens).
+    """
+    first = responses[0].routed_experts
+    if first is None:
+        return None
+    layers, k = first.shape[1:]
+    out = torch.arange(k, dtype=torch.int64).expand(b, s, layers, k).clone()
+    for i, r in enumerate(responses):
+        rows = r.prompt_ids.numel() + r.response_ids.numel() - 1
+        if r.routed_experts is None or tuple(r.routed_experts.shape) != (rows, layers, k):
+            raise ValueError(f"pack: response uid={r.uid}: routed_experts must be [{rows}, {layers}, "
+                             f"{k}] (prompt + response - 1 rows), got "
+                             f"{None if r.routed_experts is None else list(r.routed_experts.shape)}")
+        out[i, :rows] = r.routed_experts.to(torch.int64)
+    return out
 
 
 def _empty_fields(first: Response, b: int, s: int) -> dict[str, Tensor]:

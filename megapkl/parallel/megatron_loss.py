@@ -144,17 +144,23 @@ def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
     return out.loss * spec.stats.num_tokens, torch.tensor(n, dtype=torch.int), report
 
 
-def _forward(model, mb: MicroBatch) -> Tensor:
+def _forward(model, mb: MicroBatch, groups: Optional[ParallelGroups] = None) -> Tensor:
     # One response per row starting at position 0: RoPE positions come from the sequence itself
     # (megatron slices them per CP rank), causal masking from the attention module.
-    return model(mb.tokens, mb.position_ids, attention_mask=None)
+    if mb.routed is None:
+        return model(mb.tokens, mb.position_ids, attention_mask=None)
+    from megapkl.models.replay import replaying  # R3: the rollout's experts, this micro-batch
+
+    with replaying(model, mb.routed, groups=groups):
+        return model(mb.tokens, mb.position_ids, attention_mask=None)
 
 
-def make_forward_step(loss_func: Callable) -> Callable:
-    """forward_step(data_iterator, model) for megatron schedules; `loss_func(mb, output)`."""
+def make_forward_step(loss_func: Callable, groups: Optional[ParallelGroups] = None) -> Callable:
+    """forward_step(data_iterator, model) for megatron schedules; `loss_func(mb, output)`.
+    `groups` locates this rank's slice of a micro-batch's replayed MoE routing (R3)."""
     def forward_step(data_iterator: Iterator[MicroBatch], model):
         mb = next(data_iterator)
-        return _forward(model, mb), functools.partial(loss_func, mb)
+        return _forward(model, mb, groups), functools.partial(loss_func, mb)
     return forward_step
 
 
@@ -190,7 +196,7 @@ def forward_backward(spec: PolicyLossSpec, model, micro_batches: Sequence[MicroB
     """
     _check_per_token_config(model)
     return run_schedule(model, micro_batches,
-                        make_forward_step(functools.partial(policy_loss_func, spec)),
+                        make_forward_step(functools.partial(policy_loss_func, spec), spec.groups),
                         forward_only=False)
 
 
@@ -224,7 +230,8 @@ def run_prepass(cfg: ObjectiveConfig, groups: ParallelGroups, model,
         return torch.zeros(()), torch.tensor(0, dtype=torch.int), (table, m2)
 
     with torch.no_grad():
-        store = run_schedule(model, micro_batches, make_forward_step(loss_func), forward_only=True)
+        store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
+                             forward_only=True)
     if not store:
         return stats
     return gather_prepass(cfg, groups, store, stats)
@@ -256,7 +263,8 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
         return torch.zeros(()), torch.tensor(0, dtype=torch.int), keyed
 
     with torch.no_grad():
-        store = run_schedule(model, micro_batches, make_forward_step(loss_func), forward_only=True)
+        store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
+                             forward_only=True)
     if not store:
         return {}
     rows = torch.cat(R.all_gather_varlen(torch.cat(store), groups.cp))

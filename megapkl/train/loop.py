@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -83,7 +84,7 @@ def to_response(sample) -> Response:
     return Response(prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
                     logp_behav=sample.logp_behav.float(), advantage=float(sample.metadata["advantage"]),
                     group=sample.group_id, uid=sample.uid, topk_ids=sample.topk_ids,
-                    topk_logp_behav=sample.topk_logp)
+                    topk_logp_behav=sample.topk_logp, routed_experts=sample.routed_experts)
 
 
 class Trainer:
@@ -107,6 +108,9 @@ class Trainer:
             ckpt.write_resolved_config(cfg, self.run_dir)
         if self.rank == 0 and self.start > 0:
             ckpt.truncate_metrics(self.run_dir, self.start)
+            print(f"[megapkl.train] resumed from the step-{self.start} checkpoint in "
+                  f"{cfg.checkpoint.dir}: continuing at update {self.start}", file=sys.stderr,
+                  flush=True)
         self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard,
                                     progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
@@ -133,11 +137,16 @@ class Trainer:
             metrics.update(self.rollout_metrics(plan, minibatch, t2 - t1, t1 - t0))
             self.logger.log(u, metrics)
             last = metrics
-            if self.checkpoint_due(u):
+            saved = self.checkpoint_due(u)
+            if saved:
                 ckpt.save(self, u + 1)
-            if self.ctx is not None and self.ctx.preempt_requested():
-                ckpt.save(self, u + 1)
-                self.ctx.requeue()
+            # Preemption (launcher context): checkpoint and requeue at this update boundary. Not
+            # after the last update: the run is done, a requeue would only restart it to return {}.
+            more = u + 1 < self.cfg.train.steps
+            if self.ctx is not None and more and self.ctx.preempt_requested():
+                if not saved:
+                    ckpt.save(self, u + 1)
+                self.ctx.requeue()  # never returns
         self.logger.close()
         return last
 

@@ -1,0 +1,143 @@
+"""Synthetic verifiable tasks a tiny random model can learn by RL on CPU (demo, tests).
+
+`add_mod10`: prompt "a+b=" (a, b single digits, 100 prompts), answer the digit (a + b) mod 10.
+How a response is read decides whether pure RL from a random init gets any signal (the model has
+128 output tokens and starts near uniform), so it is a choice (`answer_mode`):
+
+- "token_class" (default): the FIRST response token is the answer. Token id v (any id but PAD, BOS,
+  EOS) spells digit (v - 48) mod 10, so '0'..'9' are themselves and every other token is one of
+  about 12 alternative spellings of some digit. A uniform policy is right 125/1280 = 9.8% of the
+  time, every digit is equally reachable (no shared "write digit d" direction for the policy to
+  collapse onto), and RL learns the table: see `megapkl.rollout.sanity` for the measured curve.
+- "first_digit": the first '0'..'9' character before EOS is the answer (a lenient grader). Chance
+  is (1 - (117/128)^L) / 10 = 4.9% for L = 8 tokens, but RL first learns "write some digit" and
+  then collapses onto one digit for all prompts (measured: stuck at 10%).
+- "strict": exactly one digit then EOS; chance (1/128)^2, for evaluating a trained policy only.
+
+`CharTokenizer`: ids are ASCII code points (printable 32..126 and newline 10), plus PAD 0, BOS 1,
+EOS 2, so any vocabulary >= 128 holds it and token ids read as text in a debugger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+_FIRST_CHAR, _LAST_CHAR = 32, 126  # printable ASCII
+_NEWLINE = 10
+
+
+def _is_char(i: int) -> bool:
+    return _FIRST_CHAR <= i <= _LAST_CHAR or i == _NEWLINE
+
+
+class CharTokenizer:
+    """A character-level tokenizer over printable ASCII and newline, with PAD/BOS/EOS (vocab 128)."""
+
+    vocab_size = 128
+    pad_token_id, bos_token_id, eos_token_id = PAD_ID, BOS_ID, EOS_ID
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        bad = sorted({c for c in text if not _is_char(ord(c))})
+        if bad:
+            raise ValueError(f"CharTokenizer: characters outside printable ASCII: {bad}")
+        ids = [ord(c) for c in text]
+        return [BOS_ID] + ids if add_special_tokens else ids
+
+    def decode(self, ids: Union[Sequence[int], torch.Tensor], skip_special_tokens: bool = True,
+               stop_at_eos: bool = True) -> str:
+        """Text of `ids`, cut at the first EOS; ids that are not characters decode to nothing."""
+        out = []
+        for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
+            if i == EOS_ID and stop_at_eos:
+                break
+            if _is_char(i):
+                out.append(chr(i))
+            elif not skip_special_tokens:
+                out.append({PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}.get(i, f"<{i}>"))
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class SyntheticProblem:
+    prompt: str
+    answer: str
+
+
+class AddMod10:
+    """(a + b) mod 10 for single digits a, b; see the module docstring for `answer_mode`."""
+
+    name = "add_mod10"
+    ANSWER_MODES = ("token_class", "first_digit", "strict")
+
+    def __init__(self, answer_mode: str = "token_class", modulus: int = 10):
+        if answer_mode not in self.ANSWER_MODES:
+            raise ValueError(f"add_mod10: answer_mode must be one of {self.ANSWER_MODES}, got "
+                             f"{answer_mode!r}")
+        self.answer_mode = answer_mode
+        self.modulus = modulus
+        self.tokenizer = CharTokenizer()
+
+    def problems(self) -> list[SyntheticProblem]:
+        return [SyntheticProblem(f"{a}+{b}=", str((a + b) % self.modulus))
+                for a in range(10) for b in range(10)]
+
+    def extract(self, response_ids: Union[Sequence[int], torch.Tensor]) -> Optional[str]:
+        """The digit the response answers, or None when it answers nothing."""
+        ids = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else list(response_ids)
+        if not ids:
+            return None
+        if self.answer_mode == "token_class":
+            return None if ids[0] in (PAD_ID, BOS_ID, EOS_ID) else str((ids[0] - ord("0")) % 10)
+        if self.answer_mode == "strict":
+            ok = len(ids) == 2 and ids[1] == EOS_ID and ord("0") <= ids[0] <= ord("9")
+            return chr(ids[0]) if ok else None
+        for i in ids:
+            if i == EOS_ID:
+                return None
+            if ord("0") <= i <= ord("9"):
+                return chr(i)
+        return None
+
+    def is_correct(self, response_ids, answer: str) -> bool:
+        return self.extract(response_ids) == answer
+
+    def chance_accuracy(self, max_response_len: int, vocab_size: int = 128) -> float:
+        """Success probability of a uniform random policy (to check the initial accuracy)."""
+        if self.answer_mode == "token_class":
+            return (vocab_size - 3) / vocab_size / 10
+        if self.answer_mode == "strict":
+            return (1 / vocab_size) ** 2
+        other = (vocab_size - 11) / vocab_size  # neither a digit nor EOS
+        return sum(other ** t * (10 / vocab_size) for t in range(max_response_len)) / 10
+
+
+class NextMod10(AddMod10):
+    """Prompt: one digit d; answer: (d + 1) mod 10, read like add_mod10 (`answer_mode`).
+
+    A one-step lookup table a tiny random model learns by RL in about a hundred updates (measured
+    with the trainer: accuracy 0.10 -> 0.9 in 80 updates, lr 1e-2, periodic refresh N = 4), so the
+    CPU demo shows learning within minutes; add_mod10 needs attention across two digits and stays
+    near chance for hundreds of updates at this model size. Each digit appears 10 times, so the
+    dataset has 100 prompts like add_mod10.
+    """
+
+    name = "next_mod10"
+
+    def problems(self) -> list[SyntheticProblem]:
+        return [SyntheticProblem(str(d), str((d + 1) % self.modulus))
+                for _ in range(10) for d in range(10)]
+
+
+SYNTHETIC_TASKS = {"add_mod10": AddMod10, "next_mod10": NextMod10}
+
+
+def make_synthetic_task(name: str, **kwargs):
+    """A synthetic task by name (data.synthetic); kwargs go to the task's constructor."""
+    try:
+        cls = SYNTHETIC_TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown synthetic task '{name}'; known: {sorted(SYNTHETIC_TASKS)}") from None
+    return cls(**kwargs)
