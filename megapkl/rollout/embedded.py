@@ -1,0 +1,413 @@
+"""The embedded rollout engine: a Hugging Face transformers causal LM sampled in pure torch.
+
+It is the default engine on CPU and a correct (slow) fallback anywhere. Its weights arrive only
+through `update_weights` from (HF name, full tensor) pairs, the same stream the SGLang engine gets,
+so every CPU run exercises the trainer's export path. It holds a private copy of whatever was pushed
+last, with that version: a snapshot is just an older push.
+
+Generation: prompts are left-padded into one batch (attention mask 0 on padding, position ids
+counting real tokens only, so a padded row computes exactly what it would alone), prefilled once,
+then decoded one token per step with the transformers KV cache. See `megapkl.rollout.sampling` for
+the log-prob / top-k / top-p conventions and `megapkl.rollout.sample` for the Sample layout.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
+                                    WeightUpdateError, check_generate_args)
+from megapkl.rollout.sample import PromptItem, Sample
+from megapkl.rollout.sampling import draw, step_logprobs, top_logprobs
+
+ConfigLike = Union[str, os.PathLike, dict, Any]
+
+
+def load_hf_config(config: ConfigLike):
+    """A transformers config from a PretrainedConfig, a config.json mapping, a config.json path or a
+    checkpoint directory. Never downloads: a hub id that is not a local path is an error."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, dict):
+        data = dict(config)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("HF config mapping needs 'model_type' (e.g. 'qwen3', 'qwen3_moe')")
+        return AutoConfig.for_model(model_type, **data)
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config at '{config}' (expected a directory with config.json "
+                                "or a config.json file; the embedded engine never downloads)")
+    return load_hf_config(json.loads(path.read_text()))
+
+
+def iter_safetensors(directory: Union[str, os.PathLike]) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) from every *.safetensors file of a local HF checkpoint directory."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in '{directory}'")
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+class _ExpertRecorder:
+    """Captures the MoE routers' top-k choices, one [B, S, layers, k] int32 tensor per forward.
+
+    Hooks sit on each sparse block's `gate` (the router linear); the top-k is taken exactly as the
+    transformers Qwen3-MoE block does (float softmax, then topk), so ties resolve the same way."""
+
+    def __init__(self, gates: list[nn.Module], top_k: int):
+        self.top_k = top_k
+        self.active = False
+        self._pending: list[Tensor] = []
+        self.forwards: list[Tensor] = []
+        self._handles = [g.register_forward_hook(self._hook) for g in gates]
+
+    def _hook(self, module, inputs, output) -> None:
+        if self.active:
+            probs = torch.softmax(output, dim=-1, dtype=torch.float)
+            self._pending.append(torch.topk(probs, self.top_k, dim=-1).indices.to(torch.int32))
+
+    def end_forward(self, batch: int, seq: int) -> None:
+        if self.active:
+            layers = torch.stack(self._pending, dim=1)  # [B*S, layers, k]
+            self.forwards.append(layers.view(batch, seq, len(self._pending), self.top_k).cpu())
+        self._pending = []
+
+    def reset(self, active: bool) -> None:
+        self.active, self._pending, self.forwards = active, [], []
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Rollout engine holding a transformers causal LM (Qwen3 / Qwen3-MoE tested).
+
+    Args:
+        config: PretrainedConfig, config.json mapping (see `megapkl.models.spec.hf_config_dict`),
+            config.json path or local checkpoint directory.
+        device, dtype: where and in what precision the engine's copy of the weights lives.
+        seed: seeds the sampler's running torch.Generator (a call may pass its own seed instead).
+        eos_token_ids: default stop tokens (default: the config's eos_token_id, else the
+            tokenizer's; none at all means responses stop only at max_new_tokens).
+        pad_token_id: filler for left padding and finished rows (never attended to).
+        tokenizer: optional; anything with `decode(ids)`, used to fill Sample.response_text.
+        max_batch_size: rows (prompt x response) decoded together.
+    The model starts without weights: push them with `update_weights` (the first push must cover
+    every parameter) or use `from_pretrained` / `from_model`.
+    """
+
+    def __init__(self, config: ConfigLike, *, device: Union[str, torch.device] = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0,
+                 eos_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
+                 tokenizer: Any = None, max_batch_size: int = 256,
+                 attn_implementation: str = "sdpa"):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.config = load_hf_config(config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(self.config,
+                                                     attn_implementation=attn_implementation)
+        self.model = model.to(dtype).eval().requires_grad_(False)
+        self.eos_token_ids = self._default_eos(eos_token_ids, tokenizer)
+        self.pad_token_id = self._default_pad(pad_token_id, tokenizer)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._version: Optional[int] = None
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._recorder = self._make_recorder()
+
+    # ---- construction helpers ---------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, os.PathLike], version: int = 0,
+                        **kwargs: Any) -> "EmbeddedEngine":
+        """Config and safetensors weights of a local HF checkpoint, loaded via `update_weights`."""
+        engine = cls(directory, **kwargs)
+        engine.update_weights(iter_safetensors(directory), version=version)
+        return engine
+
+    @classmethod
+    def from_model(cls, model: nn.Module, version: int = 0, **kwargs: Any) -> "EmbeddedEngine":
+        """An engine with a copy of a transformers model's config and current weights."""
+        kwargs.setdefault("dtype", next(model.parameters()).dtype)
+        engine = cls(model.config, **kwargs)
+        engine.update_weights(model.state_dict().items(), version=version)
+        return engine
+
+    def _default_eos(self, eos: Optional[Sequence[int]], tokenizer: Any) -> tuple[int, ...]:
+        """Explicit ids, else the config's eos_token_id, else the tokenizer's."""
+        for source in (eos, getattr(self.config, "eos_token_id", None),
+                       getattr(tokenizer, "eos_token_id", None)):
+            if source is not None:
+                return (int(source),) if isinstance(source, int) else tuple(int(i) for i in source)
+        return ()
+
+    def _default_pad(self, pad: Optional[int], tokenizer: Any) -> int:
+        for source in (pad, getattr(self.config, "pad_token_id", None),
+                       getattr(tokenizer, "pad_token_id", None)):
+            if source is not None:
+                return int(source)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0  # never attended to anyway
+
+    def _make_recorder(self) -> Optional[_ExpertRecorder]:
+        experts = getattr(self.config, "num_experts", None)
+        top_k = getattr(self.config, "num_experts_per_tok", None)
+        gates = [m for name, m in self.model.named_modules()
+                 if name.endswith("mlp.gate") and isinstance(m, nn.Linear)]
+        if not experts or not top_k or not gates:
+            return None
+        return _ExpertRecorder(gates, int(top_k))
+
+    @property
+    def is_moe(self) -> bool:
+        return self._recorder is not None
+
+    # ---- interface: state ---------------------------------------------------------------------
+    @property
+    def version(self) -> Optional[int]:
+        return self._version
+
+    def health(self) -> dict[str, Any]:
+        self._check_alive()
+        return {"ok": True, "engine": "embedded", "version": self._version,
+                "weights_loaded": self._version is not None, "device": str(self.device),
+                "model_type": getattr(self.config, "model_type", None), "moe": self.is_moe}
+
+    def close(self) -> None:
+        if not self._closed and self._recorder is not None:
+            self._recorder.remove()
+        self.model = None  # type: ignore[assignment]
+        self._params = {}
+        super().close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rng": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._generator.set_state(state["rng"])
+
+    def _check_ready(self) -> None:
+        self._check_alive()
+        if self._version is None:
+            raise RolloutEngineError("EmbeddedEngine holds no weights yet: push them with "
+                                     "update_weights(named_tensors, version) first")
+
+    # ---- interface: weights ---------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Stage every incoming tensor (validated, copied to the engine's device and dtype), then
+        commit all at once, so a bad stream leaves the previous weights and version untouched.
+        The copy matters: the trainer keeps updating its own tensors after the push."""
+        self._check_alive()
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
+        staged: dict[int, tuple[nn.Parameter, Tensor]] = {}
+        for name, tensor in named_tensors:
+            param = self._lookup(name)
+            staged[id(param)] = (param, self._checked_copy(name, tensor, param))
+        if not staged:
+            raise WeightUpdateError("update_weights received no tensors")
+        if self._version is None:
+            self._check_complete(staged)
+        with torch.no_grad():
+            for param, value in staged.values():
+                param.copy_(value)
+        self._version = version
+
+    def _lookup(self, name: str) -> nn.Parameter:
+        param = self._params.get(name)
+        if param is None:
+            close = difflib.get_close_matches(name, list(self._params), n=3)
+            hint = f"; closest names: {close}" if close else ""
+            raise WeightUpdateError(f"unknown weight '{name}': not a parameter of the engine's "
+                                    f"{type(self.model).__name__}{hint}")
+        return param
+
+    @staticmethod
+    def _checked_copy(name: str, tensor: Tensor, param: nn.Parameter) -> Tensor:
+        if not isinstance(tensor, Tensor):
+            raise WeightUpdateError(f"weight '{name}': expected a torch.Tensor, got "
+                                    f"{type(tensor).__name__}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightUpdateError(f"weight '{name}': shape {list(tensor.shape)} does not match the "
+                                    f"engine's {list(param.shape)}")
+        if not tensor.is_floating_point():
+            raise WeightUpdateError(f"weight '{name}': expected a floating-point tensor, got "
+                                    f"{tensor.dtype}")
+        value = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
+        if not bool(torch.isfinite(value).all()):
+            raise WeightUpdateError(f"weight '{name}': contains NaN or Inf")
+        return value
+
+    def _check_complete(self, staged: dict[int, tuple[nn.Parameter, Tensor]]) -> None:
+        missing = [n for n, p in self._params.items()
+                   if id(p) not in staged and not self._alias_staged(p, staged)]
+        if missing:
+            raise WeightUpdateError(f"the first weight push must cover every parameter; missing "
+                                    f"{len(missing)}, e.g. {missing[:5]}")
+
+    @staticmethod
+    def _alias_staged(param: nn.Parameter, staged: dict) -> bool:
+        return any(p is param for p, _ in staged.values())
+
+    # ---- interface: generation --------------------------------------------------------------------
+    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
+                 ) -> list[Sample]:
+        self._check_ready()
+        check_generate_args(prompts, n, sampling)
+        self._check_lengths(prompts, sampling)
+        if sampling.return_routed_experts and not self.is_moe:
+            raise ValueError("return_routed_experts needs a mixture-of-experts model")
+        if sampling.topk_logprobs > self.config.vocab_size:
+            raise ValueError(f"topk_logprobs ({sampling.topk_logprobs}) exceeds the vocabulary "
+                             f"({self.config.vocab_size})")
+        generator = self._generator
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        group_ids, uids = self._allocate_ids(len(prompts), n)
+        rows = [(p, g) for p, g in zip(prompts, group_ids) for _ in range(n)]
+        samples: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start:start + self.max_batch_size]
+            outs = self._generate_rows([p.prompt_ids for p, _ in chunk], sampling, generator)
+            for (prompt, group), uid, out in zip(chunk, uids[start:], outs):
+                samples.append(self._make_sample(prompt, group, uid, out, sampling))
+        return samples
+
+    def _check_lengths(self, prompts: Sequence[PromptItem], sampling: SamplingParams) -> None:
+        limit = getattr(self.config, "max_position_embeddings", None)
+        for i, p in enumerate(prompts):
+            if limit is not None and p.prompt_ids.numel() + sampling.max_new_tokens > limit:
+                raise ValueError(f"prompts[{i}]: {p.prompt_ids.numel()} prompt tokens + "
+                                 f"max_new_tokens {sampling.max_new_tokens} exceed the model's "
+                                 f"max_position_embeddings ({limit})")
+            bad = (p.prompt_ids < 0) | (p.prompt_ids >= self.config.vocab_size)
+            if bool(bad.any()):
+                raise ValueError(f"prompts[{i}]: token ids outside the vocabulary "
+                                 f"[0, {self.config.vocab_size})")
+
+    def _make_sample(self, prompt: PromptItem, group: int, uid: int, out: dict,
+                     sampling: SamplingParams) -> Sample:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out["response_ids"].tolist())
+        return Sample(uid=uid, group_id=group, prompt_ids=prompt.prompt_ids,
+                      response_ids=out["response_ids"], logp_behav=out["logp"],
+                      version=self._version, finish_reason=out["finish"],
+                      temperature=sampling.logprob_temperature, topk_ids=out.get("topk_ids"),
+                      topk_logp=out.get("topk_logp"), routed_experts=out.get("experts"),
+                      prompt_text=prompt.text, response_text=text, answer=prompt.answer,
+                      metadata=dict(prompt.metadata))
+
+    @torch.no_grad()  # not inference_mode: Sample tensors must be usable in autograd later
+    def _generate_rows(self, prompt_ids: list[Tensor], sampling: SamplingParams,
+                       generator: torch.Generator) -> list[dict]:
+        """Decode one left-padded batch; returns per row the response and its per-token records."""
+        batch = len(prompt_ids)
+        ids, mask, pos = self._left_pad(prompt_ids)
+        want_experts = sampling.return_routed_experts
+        if self._recorder is not None:
+            self._recorder.reset(active=want_experts)
+        stop = self._stop_ids(sampling)
+        steps: list[dict[str, Tensor]] = []
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros_like(finished)
+        lengths = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        out = self._forward(ids, mask, pos, cache=None)
+        for t in range(sampling.max_new_tokens):
+            logp = step_logprobs(out.logits[:, -1], sampling)
+            token = draw(logp, sampling, generator)
+            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
+            steps.append(self._record_step(logp, token, sampling))
+            lengths += (~finished).long()
+            hit = ~finished & torch.isin(token, stop) if stop.numel() else torch.zeros_like(finished)
+            stopped |= hit
+            finished |= hit
+            if bool(finished.all()) or t == sampling.max_new_tokens - 1:
+                break  # the last token is never fed: SGLang's prompt + response - 1 expert rows
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = self._forward(token[:, None], mask, pos, cache=out.past_key_values)
+        return self._split_rows(prompt_ids, steps, lengths, stopped, want_experts)
+
+    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
+        from transformers import DynamicCache
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache if cache is not None else DynamicCache(),
+                         use_cache=True, logits_to_keep=1)
+        if self._recorder is not None:
+            self._recorder.end_forward(ids.shape[0], ids.shape[1])
+        return out
+
+    def _left_pad(self, prompt_ids: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """input ids, attention mask and position ids [B, P_max] for left-padded prompts.
+        Positions count real tokens only (0 at each row's first prompt token)."""
+        width = max(int(p.numel()) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for row, p in enumerate(prompt_ids):
+            ids[row, width - p.numel():] = p
+            mask[row, width - p.numel():] = 1
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
+
+    def _stop_ids(self, sampling: SamplingParams) -> Tensor:
+        ids = () if sampling.ignore_eos else (
+            sampling.stop_token_ids if sampling.stop_token_ids is not None else self.eos_token_ids)
+        return torch.tensor(sorted(set(ids)), dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def _record_step(logp: Tensor, token: Tensor, sampling: SamplingParams) -> dict[str, Tensor]:
+        step = {"token": token.cpu(), "logp": logp.gather(1, token[:, None]).squeeze(1).cpu()}
+        if sampling.topk_logprobs:
+            ids, values = top_logprobs(logp, sampling.topk_logprobs)
+            step["topk_ids"], step["topk_logp"] = ids.cpu(), values.cpu()
+        return step
+
+    def _split_rows(self, prompt_ids: list[Tensor], steps: list[dict[str, Tensor]], lengths: Tensor,
+                    stopped: Tensor, want_experts: bool) -> list[dict]:
+        """Per-row dicts from the per-step batch records (each row keeps its first R_b steps)."""
+        stacked = {key: torch.stack([s[key] for s in steps], dim=1) for key in steps[0]}
+        width = max(int(p.numel()) for p in prompt_ids)
+        rows = []
+        for b, prompt in enumerate(prompt_ids):
+            r = int(lengths[b])
+            row = {"response_ids": stacked["token"][b, :r].clone(),
+                   "logp": stacked["logp"][b, :r].clone(),
+                   "finish": "stop" if bool(stopped[b]) else "length"}
+            if "topk_ids" in stacked:
+                row["topk_ids"] = stacked["topk_ids"][b, :r].clone()
+                row["topk_logp"] = stacked["topk_logp"][b, :r].clone()
+            if want_experts:
+                row["experts"] = self._row_experts(b, int(prompt.numel()), width, r)
+            rows.append(row)
+        return rows
+
+    def _row_experts(self, b: int, prompt_len: int, width: int, response_len: int) -> Tensor:
+        """[P + R - 1, layers, k]: prefill rows of the real prompt tokens, then one row per fed
+        response token (decode forward t fed response token t)."""
+        forwards = self._recorder.forwards
+        prompt_rows = forwards[0][b, width - prompt_len:]
+        fed = [forwards[1 + t][b, 0:1] for t in range(response_len - 1)]
+        return torch.cat([prompt_rows, *fed], dim=0).contiguous()

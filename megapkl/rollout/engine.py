@@ -1,0 +1,165 @@
+"""The rollout engine interface: what the trainer asks of any engine (embedded torch, SGLang).
+
+    engine.update_weights(model.export_hf(), version=step)   # streamed (hf_name, full tensor)
+    samples = engine.generate(prompts, n=8, sampling=SamplingParams(max_new_tokens=1024))
+    engine.version, engine.health(), engine.close()
+
+An engine holds exactly the weights last pushed to it and stamps their version on every Sample, so
+a stale engine is simply one that has not been updated (periodic refresh) and a snapshot is a push
+of older weights (uniform stale). Field names follow SGLang's `sampling_params` where it has one.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from torch import Tensor
+
+from megapkl.rollout.sample import PromptItem, Sample
+
+
+class RolloutEngineError(RuntimeError):
+    """The engine cannot serve: closed, crashed, unreachable, or holding no weights yet."""
+
+
+class WeightUpdateError(ValueError):
+    """A pushed weight does not fit the engine's model (unknown name, wrong shape or dtype, or an
+    incomplete first load). The engine keeps its previous weights and version."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings (SGLang `sampling_params` names where they exist).
+
+    temperature 0 means greedy decoding; its log-probs are then reported at temperature 1 (SGLang
+    does the same). top_k -1 and top_p 1 are off. Both truncations act on the temperature-scaled
+    full-vocabulary distribution and the kept set is their intersection (SGLang's sampler); the
+    reported log-probs are never truncated. `stop_token_ids` None means the engine's EOS ids.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: Optional[tuple[int, ...]] = None
+    ignore_eos: bool = False
+    seed: Optional[int] = None  # SGLang `sampling_seed`; None: the engine's running generator
+    topk_logprobs: int = 0  # SGLang `top_logprobs_num`: K behavior top-K per token (SIS), 0 = off
+    return_routed_experts: bool = False  # MoE routing replay (R3)
+
+    def __post_init__(self):
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.topk_logprobs < 0:
+            problems.append(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
+        if problems:
+            raise ValueError("SamplingParams: " + "; ".join(problems))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the reported log-probs use (1 for greedy decoding)."""
+        return 1.0 if self.greedy else self.temperature
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any, topk_logprobs: int = 0,
+                            return_routed_experts: bool = False, seed: Optional[int] = None
+                            ) -> "SamplingParams":
+        """From `megapkl.config.sections.RolloutConfig` (temperature, top_p, top_k,
+        max_response_len). The caller resolves K (rollout.topk_logprobs or sis.top_k)."""
+        return cls(max_new_tokens=rollout.max_response_len, temperature=rollout.temperature,
+                   top_p=rollout.top_p, top_k=rollout.top_k, topk_logprobs=topk_logprobs,
+                   return_routed_experts=return_routed_experts, seed=seed)
+
+
+@dataclass
+class _IdCounters:
+    next_uid: int = 0
+    next_group: int = 0
+
+
+class RolloutEngine(abc.ABC):
+    """Base class of rollout engines. Subclasses implement the abstract methods; the base class
+    owns the uid / group-id counters so every engine numbers Samples the same way, and those
+    counters are part of `state_dict` so a resumed run numbers them exactly as an unbroken one."""
+
+    def __init__(self) -> None:
+        self._ids = _IdCounters()
+        self._closed = False
+
+    # ---- the interface -------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
+                 ) -> list[Sample]:
+        """`n` responses per prompt, returned prompt-major (prompt 0's n responses first).
+
+        Responses to one prompt share a fresh group id; every response gets a fresh uid; every
+        Sample carries the version of the weights that generated it."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace the weights from a stream of (Hugging Face name, full tensor) and adopt
+        `version`. Atomic: on WeightUpdateError the previous weights and version stay."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> Optional[int]:
+        """Version of the weights held (None before the first update)."""
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]:
+        """A small status mapping; raises RolloutEngineError when the engine cannot serve."""
+
+    def close(self) -> None:
+        """Release the engine; any later call raises RolloutEngineError. Idempotent."""
+        self._closed = True
+
+    # ---- shared helpers --------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RolloutEngineError(f"{type(self).__name__} is closed")
+
+    def _allocate_ids(self, num_prompts: int, n: int) -> tuple[list[int], list[int]]:
+        """(group id per prompt, uid per response) for a prompt-major batch."""
+        g0, u0 = self._ids.next_group, self._ids.next_uid
+        self._ids.next_group += num_prompts
+        self._ids.next_uid += num_prompts * n
+        return list(range(g0, g0 + num_prompts)), list(range(u0, u0 + num_prompts * n))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters (and, in subclasses, sampler RNG) for checkpoint/resume."""
+        return {"next_uid": self._ids.next_uid, "next_group": self._ids.next_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ids = _IdCounters(int(state["next_uid"]), int(state["next_group"]))
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_generate_args(prompts: Sequence[PromptItem], n: int, sampling: SamplingParams) -> None:
+    """Argument checks every engine runs before any work (clear errors, not deep tracebacks)."""
+    if n < 1:
+        raise ValueError(f"generate: n (responses per prompt) must be >= 1, got {n}")
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"generate: sampling must be SamplingParams, got {type(sampling).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, PromptItem):
+            raise TypeError(f"generate: prompts[{i}] must be a PromptItem, got {type(p).__name__}")
