@@ -2,12 +2,13 @@
 torch.distributed from the Slurm environment, preemption -> checkpoint -> requeue -> resume.
 
     from megapkl.launch import submit, sweep, load_profile
-    sub = submit("configs/demo/cpu_demo.yaml", "local_cpu", entry="megapkl.launch.toy:run")
-    print(sub.job.results()[0])
+    sub = submit("configs/demo/cpu_demo.yaml", "local_cpu")   # the trainer, megapkl.train:run
+    print(sub.job.results()[0])                                 # rank 0's last update's metrics
 
-The entry point contract (what the trainer offers to plug in) is in `megapkl.launch.runtime`:
-`run(cfg, ctx) -> metrics`, with `ctx.preempt_requested()` polled at step boundaries and
-`ctx.requeue()` after a checkpoint. Importing this package imports neither torch nor submitit.
+The entry point contract (what the trainer implements; `megapkl.launch.toy:run` is a cheap stand-in
+for launcher tests) is in `megapkl.launch.runtime`: `run(cfg, ctx) -> metrics`, with
+`ctx.preempt_requested()` polled at step boundaries and `ctx.requeue()` after a checkpoint.
+Importing this package imports neither torch nor submitit.
 """
 from __future__ import annotations
 

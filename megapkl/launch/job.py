@@ -116,7 +116,7 @@ def run_task(spec: LaunchSpec, cfg: Any = None) -> Any:
     import dataclasses
 
     from megapkl.launch import runtime
-    from megapkl.launch.runconfig import load_resolved
+    from megapkl.launch.runconfig import absolute_paths, load_resolved
 
     os.chdir(spec.cwd)
     os.environ.update(spec.env)
@@ -129,9 +129,15 @@ def run_task(spec: LaunchSpec, cfg: Any = None) -> Any:
         cfg = load_resolved(spec.config_file, resume=restart > 0)
     elif restart > 0 and cfg.checkpoint.resume is False:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    # One run directory: the entry point (the trainer writes <cfg.run_dir>/metrics.jsonl and
+    # checkpoints to cfg.checkpoint.dir) gets the very paths of ctx.run_dir / ctx.metrics_path /
+    # ctx.checkpoint_dir, absolute, whatever the config file says.
+    cfg = absolute_paths(cfg, spec.cwd)
+    if Path(cfg.run_dir) != run_dir:
+        print(f"[megapkl.launch] the config's run_dir {cfg.run_dir} is not the launched run "
+              f"directory {run_dir}; using {run_dir}", file=sys.stderr, flush=True)
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     ckpt_dir = Path(cfg.checkpoint.dir)
-    if not ckpt_dir.is_absolute():
-        ckpt_dir = Path(spec.cwd) / ckpt_dir
     ctx = runtime.LaunchContext(
         rank=layout["rank"], world_size=layout["world_size"], local_rank=layout["local_rank"],
         local_world_size=layout["local_world_size"], num_nodes=job_env.num_nodes,

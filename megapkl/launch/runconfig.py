@@ -36,13 +36,26 @@ def prepare_run(config: str | os.PathLike, overrides: Iterable[str] = (),
     cfg = load_config(config, overrides)
     merged, _ = merged_mapping(config, overrides)
     slurm = merged.get("slurm") or {}
-    base = Path(cwd) if cwd is not None else Path.cwd()
-    run_dir = Path(cfg.run_dir)
-    if not run_dir.is_absolute():
-        run_dir = base / run_dir
+    cfg = absolute_paths(cfg, Path(cwd) if cwd is not None else Path.cwd())
     return PreparedRun(cfg=cfg, config_path=str(config), overrides=overrides, name=cfg.name,
-                       run_dir=run_dir.resolve(), resolved_yaml=dump_config(cfg),
+                       run_dir=Path(cfg.run_dir), resolved_yaml=dump_config(cfg),
                        slurm_explicit=dict(slurm) if isinstance(slurm, dict) else {})
+
+
+def absolute_paths(cfg: Any, base: str | os.PathLike) -> Any:
+    """`cfg` with run_dir and checkpoint.dir made absolute against `base` (the submit
+    directory, which every task chdirs to). The resolved config.yaml then names the very
+    directories the launcher lays out, so the trainer's metrics.jsonl, checkpoints and
+    config.yaml land in <run_dir> wherever the config is reloaded."""
+    def absolute(path: str) -> str:
+        p = Path(path).expanduser()
+        return str((p if p.is_absolute() else Path(base) / p).resolve())
+
+    run_dir, ckpt_dir = absolute(cfg.run_dir), absolute(cfg.checkpoint.dir)
+    if run_dir == cfg.run_dir and ckpt_dir == cfg.checkpoint.dir:
+        return cfg
+    return dataclasses.replace(cfg, run_dir=run_dir,
+                               checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir))
 
 
 def load_resolved(path: str | os.PathLike, *, resume: bool = False) -> Any:
@@ -56,4 +69,4 @@ def load_resolved(path: str | os.PathLike, *, resume: bool = False) -> Any:
     return cfg
 
 
-__all__ = ["ConfigError", "PreparedRun", "prepare_run", "load_resolved"]
+__all__ = ["ConfigError", "PreparedRun", "absolute_paths", "prepare_run", "load_resolved"]

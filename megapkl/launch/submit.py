@@ -7,12 +7,17 @@
 
 Run directory (`cfg.run_dir`, default runs/<name>/, made absolute against the submit directory):
 
-    <run_dir>/config.yaml      the fully resolved run config the job reloads
+    <run_dir>/config.yaml      the fully resolved run config the job reloads, run_dir and
+                               checkpoint.dir absolute (the trainer rewrites it: the same, with
+                               checkpoint.resume: true after a requeue)
     <run_dir>/launch.json      profile (resolved), sbatch parameters, entry point, overrides, job ids
     <run_dir>/submitit/        submitit's pickles and logs: <jobid>_<task>_log.out / _log.err
-    <run_dir>/checkpoints/     cfg.checkpoint.dir unless the config moves it
-    <run_dir>/metrics.jsonl    one JSON line per step (rank 0; after a resume a step may repeat: the
-                               last line of a step wins, see `read_metrics`)
+    <run_dir>/checkpoints/     cfg.checkpoint.dir unless the config moves it (the trainer's
+                               step_<u>/ directories)
+    <run_dir>/metrics.jsonl    one JSON line per step, rank 0: the trainer's MetricsLogger
+                               (megapkl.train.metrics_log; steps from 0, truncated to the checkpoint
+                               on resume) or `ctx.log_metrics` (after a resume a step may repeat:
+                               the last line of a step wins, see `read_metrics`)
     <run_dir>/events.jsonl     start / requeued / failed / done, one line each (rank 0)
     <run_dir>/result.json      the entry point's return value (rank 0)
 

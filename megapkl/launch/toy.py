@@ -7,7 +7,8 @@ with an all-reduce (gloo on CPU, NCCL on GPU), and a scalar parameter `x` takes 
 state (step, x, history) is checkpointed every `cfg.checkpoint.every` steps and on preemption, so a
 requeued job resumes and produces exactly the metrics of an uninterrupted run. It exercises the
 whole launch path (Slurm tasks, torch.distributed, run directory, preemption/requeue, sweeps)
-until the trainer exists, and keeps testing it after.
+in seconds, with knobs the trainer (megapkl.train:run, the default entry) has not; the launcher
+tests use it for the mechanics and the trainer for the end-to-end runs.
 
 Keyword arguments (`--entry-arg k=v` / `entry_kwargs`): `steps` (default cfg.train.steps),
 `step_seconds` (sleep per step, to leave time to interrupt), `fail_at_step` (raise there),

@@ -5,7 +5,8 @@
 not reachable the Slurm tests are skipped, except with MEGAPKL_REQUIRE_SLURM=1 (CI), where they
 fail with the reason. Tests that need no cluster (profiles, grids, CLI parsing) never use it.
 
-Every Slurm test's wall time (and the shared reference job's) is printed at the end of the session ("launcher test timings").
+Every Slurm test's wall time (and the shared reference jobs', toy and trainer) is printed at the end
+of the session ("launcher test timings").
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE / "data" / "tiny.yaml"
-TOY = "megapkl.launch.toy:run"
+TOY = "megapkl.launch.toy:run"  # the launcher-mechanics tests' cheap entry point (test_slurm.py)
+TRAINER = "megapkl.train:run"  # the real trainer, the launcher's default (test_slurm_trainer.py)
 _TIMINGS: list[tuple[str, float, str]] = []
 
 

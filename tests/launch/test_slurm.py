@@ -1,8 +1,11 @@
-"""The launcher against the real local Slurm cluster (tools/slurm/setup_local_cluster.sh).
+"""The launcher's mechanics against the real local Slurm cluster
+(tools/slurm/setup_local_cluster.sh), with the TOY entry point.
 
-Each job runs the toy entry point (megapkl.launch.toy:run: gloo all-reduce "steps" with a
-checkpointed state) on the tiny run config (the CPU demo, DP=2) in 2 Slurm tasks. A job costs
-about 5-15 s on 2 cores, mostly `import torch`.
+Every job here runs megapkl.launch.toy:run (gloo all-reduce "steps" with a checkpointed state, not
+the trainer) on the tiny run config (the CPU demo, DP=2) in 2 Slurm tasks: cheap, and with knobs the
+trainer has not (step_seconds, fail_at_step, poll=False). A job costs about 5-15 s on 2 cores,
+mostly `import torch`. The real trainer (megapkl.train:run, the launcher's default entry) is
+launched in test_slurm_trainer.py.
 """
 from __future__ import annotations
 
@@ -25,19 +28,20 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def reference_run(slurm_cluster, launch_tmp: Path):  # noqa: ARG001 - ordering
-    """One uninterrupted 2-task run of STEPS steps: (submission, per-task results)."""
+def toy_reference_run(slurm_cluster, launch_tmp: Path):  # noqa: ARG001 - ordering
+    """One uninterrupted 2-task toy-entry run of STEPS steps: (submission, per-task results)."""
     t0 = time.perf_counter()
     sub = submit(TINY, "local_cpu", [f"run_dir={launch_tmp}/reference", f"train.steps={STEPS}"],
                  entry=TOY)
-    results = wait_done(sub.job, 240, "reference job")
-    _TIMINGS.append(("fixture reference_run (submit -> 2-task results)",
+    results = wait_done(sub.job, 240, "toy reference job")
+    _TIMINGS.append(("fixture toy_reference_run (submit -> 2-task toy results)",
                      time.perf_counter() - t0, "passed"))
     return sub, results
 
 
-def test_two_task_job_over_gloo_returns_metrics(reference_run) -> None:
-    sub, results = reference_run
+def test_toy_two_task_job_over_gloo_returns_metrics(toy_reference_run) -> None:
+    """Toy entry: 2 tasks, gloo, per-task results, the run directory's layout."""
+    sub, results = toy_reference_run
     assert len(results) == 2
     r0, r1 = results
     assert (r0["rank"], r1["rank"]) == (0, 1)
@@ -61,8 +65,9 @@ def test_two_task_job_over_gloo_returns_metrics(reference_run) -> None:
         assert (run_dir / "submitit" / f"{sub.job_id}_{task}_log.out").exists()
 
 
-def test_status_and_logs_helpers(reference_run, capsys: pytest.CaptureFixture[str]) -> None:
-    sub, _ = reference_run
+def test_status_and_logs_helpers(toy_reference_run, capsys: pytest.CaptureFixture[str]) -> None:
+    """`megapkl status|logs` on the toy reference run."""
+    sub, _ = toy_reference_run
     wait_state(sub.job_id, "COMPLETED")
     text = jobs.status(str(sub.run_dir))
     assert f"JobID={sub.job_id}" in text and "State=COMPLETED" in text
@@ -75,6 +80,7 @@ def test_status_and_logs_helpers(reference_run, capsys: pytest.CaptureFixture[st
 
 
 def test_failing_job_surfaces_the_exception(launch_tmp: Path) -> None:
+    """The toy entry's fail_at_step: the exception text reaches the submitter."""
     sub = submit(TINY, "local_cpu", [f"run_dir={launch_tmp}/failing"], entry=TOY,
                  entry_kwargs={"fail_at_step": 2})
     deadline = time.time() + 240
@@ -88,9 +94,10 @@ def test_failing_job_surfaces_the_exception(launch_tmp: Path) -> None:
     assert '"event": "failed"' in events and "deliberate failure" in events
 
 
-def test_preemption_requeues_and_resumes_with_the_same_metrics(reference_run,
-                                                               launch_tmp: Path) -> None:
-    _, ref = reference_run
+def test_toy_preemption_requeues_and_resumes_with_the_same_metrics(toy_reference_run,
+                                                                   launch_tmp: Path) -> None:
+    """Toy entry (1.5 s steps): interrupt -> checkpoint -> requeue -> resume, same metrics."""
+    _, ref = toy_reference_run
     run_dir = launch_tmp / "preempted"
     sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"], entry=TOY,
                  entry_kwargs={"step_seconds": 1.5})
@@ -113,6 +120,7 @@ def test_preemption_requeues_and_resumes_with_the_same_metrics(reference_run,
 
 
 def test_two_element_sweep_array_completes(launch_tmp: Path) -> None:
+    """A 2-element job array of the toy entry (seed=1,2) with a parallelism limit."""
     out = sweep(TINY, "local_cpu", ["seed=1,2"], [f"run_dir={launch_tmp}/sweep", "train.steps=3"],
                 entry=TOY, parallelism=2)
     assert len(out.elements) == 2 and out.array_job_id
@@ -136,6 +144,7 @@ def test_two_element_sweep_array_completes(launch_tmp: Path) -> None:
 
 
 def test_cancel(launch_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`megapkl submit` (toy entry, 30 s steps) then `megapkl cancel`."""
     run_dir = launch_tmp / "cancelled"
     rc = cli_main(["submit", str(TINY), f"run_dir={run_dir}", "--profile", "local_cpu",
                    "--entry", TOY, "--entry-arg", "step_seconds=30"])
@@ -144,15 +153,15 @@ def test_cancel(launch_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wait_state(read_launch(run_dir)["jobs"][0]["job_id"], "CANCELLED")
 
 
-def test_plain_sbatch_template_runs_and_requeues(reference_run, launch_tmp: Path) -> None:
-    """slurm/sbatch_template.sh (srun, no submitit) on the CPU cluster: the GPU lines removed,
-    the rest overridden on the sbatch command line; USR2 (what Slurm sends before a time limit)
-    -> checkpoint -> requeue -> resume with the uninterrupted run's metrics."""
+def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: Path) -> None:
+    """slurm/sbatch_template.sh (srun, no submitit; ENTRY = the toy) on the CPU cluster: the GPU
+    lines removed, the rest overridden on the sbatch command line; USR2 (what Slurm sends before a
+    time limit) -> checkpoint -> requeue -> resume with the uninterrupted run's metrics."""
     import os
     import subprocess
     import sys
 
-    _, ref = reference_run
+    _, ref = toy_reference_run
     repo = Path(__file__).resolve().parents[2]
     text = (repo / "slurm" / "sbatch_template.sh").read_text()
     keep = [ln for ln in text.splitlines()
@@ -186,12 +195,13 @@ def test_plain_sbatch_template_runs_and_requeues(reference_run, launch_tmp: Path
     assert "requeueing job" in log.read_text()
 
 
-def test_watchdog_requeues_an_entry_point_that_never_polls(reference_run,
+def test_watchdog_requeues_an_entry_point_that_never_polls(toy_reference_run,
                                                            launch_tmp: Path) -> None:
-    """An entry point that ignores ctx.preempt_requested(): preempt_grace_s after the signal the
-    launcher requeues the job anyway; it resumes from the last periodic checkpoint (every 2 steps)
-    and still ends with the uninterrupted run's metrics."""
-    _, ref = reference_run
+    """The toy entry with poll=False, an entry point that ignores ctx.preempt_requested():
+    preempt_grace_s after the signal the launcher requeues the job anyway; it resumes from the
+    last periodic checkpoint (every 2 steps) and still ends with the uninterrupted run's
+    metrics."""
+    _, ref = toy_reference_run
     profile = str(Path(__file__).parent / "data" / "local_cpu_fast_watchdog.yaml")
     run_dir = launch_tmp / "watchdog"
     sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}",

@@ -1,0 +1,130 @@
+"""The REAL trainer (`megapkl.train:run`, the launcher's default entry point) launched on the local
+Slurm cluster: tests/launch/data/tiny.yaml (the CPU demo cut small: DP=2 over gloo, a 4x4 batch of
+4-token responses) in 2 Slurm tasks of one core each.
+
+Updates take about 0.1 s here, so a job costs about 6-10 s, mostly `import torch` and megatron. The
+launcher mechanics (failures, sweeps, cancel, sbatch template, watchdog) are tested more cheaply
+with the toy entry point in test_slurm.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from megapkl.launch import jobs
+from megapkl.launch.submit import read_launch, read_metrics, submit
+
+from .conftest import _TIMINGS, TINY, TRAINER, wait_done, wait_state
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+# Enough updates (about 0.1 s each) that an interrupt sent once 2 rows are logged lands well before
+# the last update, in both the uninterrupted reference and the preempted run.
+STEPS = 40
+# SPEC section 9 metrics every update of the demo's objective (proximal KL) logs.
+SPEC_METRICS = {"loss", "grad_norm", "lr", "reward/mean", "train/accuracy", "staleness/mean",
+                "staleness/max", "response_len/mean", "tokens_per_s", "coef/mean",
+                "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min", "is/log_dev", "kl/prox_k3",
+                "pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
+# Wall-clock fields: differ between any two runs.
+TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(slurm_cluster, launch_tmp: Path):  # noqa: ARG001 - ordering
+    """One uninterrupted 2-task trainer run of STEPS updates: (submission, per-task results)."""
+    t0 = time.perf_counter()
+    sub = submit(TINY, "local_cpu", [f"run_dir={launch_tmp}/trainer_reference",
+                                     f"train.steps={STEPS}"])  # entry: the default, the trainer
+    results = wait_done(sub.job, 300, "trainer reference job")
+    _TIMINGS.append(("fixture trainer_reference (submit -> 2-task trainer results)",
+                     time.perf_counter() - t0, "passed"))
+    return sub, results
+
+
+def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> None:
+    """2 Slurm tasks, DP=2 over gloo, the real trainer: every task returns the last update's
+    metrics; rank 0 logs every update's SPEC metrics to <run_dir>/metrics.jsonl, the one metrics
+    file of the run, which `megapkl status` reads."""
+    sub, results = trainer_reference
+    run_dir = sub.run_dir
+    assert len(results) == 2
+    r0, r1 = results
+    assert comparable([r0]) == comparable([r1])  # global (all-reduced) metrics: the ranks agree
+    assert SPEC_METRICS <= set(r0)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for r in rows:
+        missing = SPEC_METRICS - set(r)
+        assert not missing, f"step {r['step']}: metrics missing {sorted(missing)}"
+        assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) for k in SPEC_METRICS), r
+    assert rows[0]["is/w_max"] == pytest.approx(1.0, abs=2e-4)  # update 0 is on-policy
+    last = {k: v for k, v in rows[-1].items() if k != "step"}
+    assert comparable([last]) == comparable([r0])  # the returned metrics are the last row's
+    assert json.loads((run_dir / "result.json").read_text()) == r0
+
+    # The launcher's run directory layout is the trainer's: one metrics.jsonl, its checkpoints
+    # under checkpoint.dir, the resolved config with absolute paths.
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("metrics.jsonl")) == [
+        Path("metrics.jsonl")]
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == [f"step_{STEPS:08d}"]  # checkpoint.every=0, keep=1: the final one
+    assert (run_dir / "checkpoints" / ckpts[0] / "complete").exists()
+    config = (run_dir / "config.yaml").read_text()
+    assert f"run_dir: {run_dir}\n" in config and f"dir: {run_dir}/checkpoints\n" in config
+    assert "slurm:\n  profile: local_cpu" in config
+    launch = read_launch(run_dir)
+    assert launch["entry"] == TRAINER and launch["jobs"][0]["job_id"] == sub.job_id
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "done"]
+    assert (events[0]["world_size"], events[0]["backend"], events[0]["threads"]) == (2, "gloo", 1)
+    wait_state(sub.job_id, "COMPLETED")
+    text = jobs.status(str(run_dir))
+    assert "State=COMPLETED" in text and f"last step: step={STEPS - 1}" in text
+
+
+def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
+        trainer_reference, launch_tmp: Path) -> None:
+    """submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
+    trainer checkpoints at the next update boundary and requeues; the requeued job resumes from
+    that checkpoint and ends with the uninterrupted run's metrics (timing fields aside)."""
+    ref_sub, ref = trainer_reference
+    run_dir = launch_tmp / "trainer_preempted"
+    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"])
+    deadline = time.time() + 240
+    while len(read_metrics(run_dir)) < 2:  # training, past the preemption handler's installation
+        assert time.time() < deadline, "the trainer job never logged update 1"
+        assert not sub.job.done(), "the trainer job ended before it could be interrupted"
+        time.sleep(0.1)
+    sub.job._interrupt()
+    results = wait_done(sub.job, 300, "preempted trainer job")
+    events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events == ["start", "requeued", "start", "done"], (
+        f"events {events}: the interrupt should land before the last of {STEPS} updates")
+
+    # Resumed from the preemption checkpoint, not from scratch.
+    err = (run_dir / "submitit" / f"{sub.job_id}_0_log.err").read_text()
+    found = re.findall(r"\[megapkl\.train\] resumed from the step-(\d+) checkpoint", err)
+    assert len(found) == 1, err[-3000:]
+    resumed_at = int(found[0])
+    assert 2 <= resumed_at < STEPS
+
+    # The same metrics as the uninterrupted run: returned, and every row of metrics.jsonl.
+    assert comparable(results) == comparable(ref)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert comparable(rows) == comparable(read_metrics(ref_sub.run_dir))
+    raw = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(raw) == STEPS  # the resume truncated to its checkpoint: no step logged twice
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
+    wait_state(sub.job_id, "COMPLETED")
+    assert jobs.requeue_count(sub.job_id) == 1
