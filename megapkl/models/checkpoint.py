@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from megapkl.models.chunks import model_chunks
+
 # Model-space optimizer tensors without per-sub-optimizer key prefixes: loadable whatever the
 # layout and however many sub-optimizers (dense / expert) the loading side has.
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -47,13 +49,6 @@ class LoadResult:
     saved_layout: dict
 
 
-def _chunks(model: Any) -> list:
-    out = []
-    for m in (model if isinstance(model, (list, tuple)) else [model]):
-        while hasattr(m, "module"):
-            m = m.module
-        out.append(m)
-    return out
 
 
 def _model_key(i: int, n: int) -> str:
@@ -242,7 +237,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
     """Write a distributed checkpoint (collective over all ranks) into directory `path`."""
     from megatron.core import dist_checkpointing
 
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     path = Path(path)
     if torch.distributed.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -275,7 +270,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"no megatron distributed checkpoint at {path} "
                                 "(metadata.json missing)")
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     # RNG streams are per (TP, PP, EP, CP) rank; data-parallel replicas share them.
     same_layout = all(common["layout"].get(k) == v for k, v in _layout().items() if k != "dp")

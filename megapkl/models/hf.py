@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.models.chunks import model_chunks
 from megapkl.models import hf_mapping as hm
 from megapkl.models.spec import ModelSpec, SpecError, hf_config_dict, spec_from_hf_config
 
@@ -170,14 +171,6 @@ def _comm(groups: Any) -> _Comm:
     return _Comm(groups.tp, etp, groups.ep, groups.pp)
 
 
-def _unwrap(model: Any) -> Any:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _chunks(model: Any) -> list:
-    return [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def _spec_of(chunks: list, spec: Optional[ModelSpec]) -> ModelSpec:
@@ -222,7 +215,7 @@ def load_hf_weights(model: Any, path: str | os.PathLike | HFCheckpoint, *,
     Raises FileNotFoundError for a missing path and CheckpointError when the checkpoint does not
     fit the model config. `groups` is a `ParallelGroups` (default: megatron's).
     """
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     spec = _spec_of(chunks, spec)
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     check_checkpoint(spec, ckpt, check_config=check_config)
@@ -334,7 +327,7 @@ def export_hf_weights(model: Any, *, spec: Optional[ModelSpec] = None, groups: A
     `gather_pp=False`: each pipeline stage yields only the tensors it holds (no PP traffic).
     `dtype` converts on the way out (e.g. bf16 for a rollout engine).
     """
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     spec = _spec_of(chunks, spec)
     comm = _comm(groups)
     units = _local_units(chunks, spec)
@@ -422,7 +415,7 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, spec: Optional[Mo
     """Export to a HF safetensors directory (collective; global rank `writer_rank` writes)."""
     from safetensors.torch import save_file
 
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     spec = _spec_of(chunks, spec)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     out = Path(path)

@@ -20,6 +20,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from megapkl.models.chunks import unwrap  # noqa: F401  (re-exported: provider.unwrap)
+
 from megapkl.models.spec import ModelSpec, SpecError, check_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -320,8 +322,3 @@ def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions()) -> 
             for i in range(opts.virtual_pipeline)]
 
 
-def unwrap(model: Any) -> Any:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model

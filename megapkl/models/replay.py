@@ -32,22 +32,17 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from megapkl.models.chunks import model_chunks
+
 _ACTIONS = ("record", "replay", "replay_backward")
 
 
-def _chunks(model: Any) -> list:
-    out = []
-    for m in (model if isinstance(model, (list, tuple)) else [model]):
-        while hasattr(m, "module"):
-            m = m.module
-        out.append(m)
-    return out
 
 
 def moe_routers(model: Any) -> list[tuple[int, Any]]:
     """(global layer index, router) of every MoE layer this rank holds, in layer order."""
     routers = []
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         for layer in chunk.decoder.layers:
             router = getattr(getattr(layer, "mlp", None), "router", None)
             if router is not None:
@@ -171,7 +166,7 @@ def replaying(model: Any, routed: torch.Tensor, *, groups: Any = None,
     One micro-batch; the layout (TP/SP/CP/PP) comes from `groups` (a ParallelGroups; default
     single process) and the model's config.
     """
-    chunk = _chunks(model)[0]
+    chunk = model_chunks(model)[0]
     if sequence_parallel is None:
         sequence_parallel = bool(chunk.config.sequence_parallel)
     tp_rank, tp_size, cp_rank, cp_size = 0, 1, 0, 1

@@ -25,14 +25,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megapkl.models.chunks import model_chunks
 
-def _chunks(model: Any) -> list:
-    out = []
-    for m in (model if isinstance(model, (list, tuple)) else [model]):
-        while hasattr(m, "module"):
-            m = m.module
-        out.append(m)
-    return out
+
 
 
 class SnapshotStore:
@@ -42,7 +37,7 @@ class SnapshotStore:
                  dtype: Optional[torch.dtype] = None) -> None:
         """`device`: where snapshots live ("cpu", or None for the parameters' own device).
         `dtype`: store in this dtype (e.g. bf16 to halve CPU memory of fp32 weights)."""
-        self._params = {f"{i}.{name}": p for i, chunk in enumerate(_chunks(model))
+        self._params = {f"{i}.{name}": p for i, chunk in enumerate(model_chunks(model))
                         for name, p in chunk.named_parameters()}
         self._device = None if device is None else torch.device(device)
         self._dtype = dtype

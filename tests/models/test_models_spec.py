@@ -126,6 +126,7 @@ def test_options_from_run_config():
 
     opts = options_from_config(ModelConfig(name="tiny-qwen3-moe", routing_replay=True),
                                ParallelConfig(tensor=2, sequence_parallel=True))
-    assert opts == ModelOptions(dtype="bf16", sequence_parallel=True, routing_replay=True)
+    assert opts == ModelOptions(dtype="bf16", sequence_parallel=True, routing_replay=True,
+                                per_token_loss=True)  # the trainer's policy loss semantics
     with pytest.raises(SpecError, match="dtype"):
         ModelOptions(dtype="fp16")
