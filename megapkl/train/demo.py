@@ -5,6 +5,7 @@ refresh (configs/demo/cpu_demo.yaml), on the embedded engine, DP = 2 over gloo.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -30,6 +31,7 @@ def run_demo(config_path: str, overrides: Sequence[str], compare: bool) -> list[
     runs = []
     for name, extra in arms.items():
         cfg = load_config(config_path, [*overrides, *extra, f"name=cpu_demo_{name}"])
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a demo starts from scratch every time
         t0 = time.time()
         train_local(cfg)
         start, end, n = accuracy_summary(Path(cfg.run_dir))
