@@ -260,15 +260,11 @@ class EmbeddedEngine(RolloutEngine):
         return value
 
     def _check_complete(self, staged: dict[int, tuple[nn.Parameter, Tensor]]) -> None:
-        missing = [n for n, p in self._params.items()
-                   if id(p) not in staged and not self._alias_staged(p, staged)]
+        # Keyed by parameter identity, so a tied lm_head counts as covered by embed_tokens.
+        missing = [n for n, p in self._params.items() if id(p) not in staged]
         if missing:
             raise WeightUpdateError(f"the first weight push must cover every parameter; missing "
                                     f"{len(missing)}, e.g. {missing[:5]}")
-
-    @staticmethod
-    def _alias_staged(param: nn.Parameter, staged: dict) -> bool:
-        return any(p is param for p, _ in staged.values())
 
     # ---- interface: generation --------------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
@@ -309,8 +305,8 @@ class EmbeddedEngine(RolloutEngine):
     def _make_sample(self, prompt: PromptItem, group: int, uid: int, out: dict,
                      sampling: SamplingParams) -> Sample:
         text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(out["response_ids"].tolist())
+        if self.tokenizer is not None:  # special tokens dropped: the text is for rewards and logs
+            text = self.tokenizer.decode(out["response_ids"].tolist(), skip_special_tokens=True)
         return Sample(uid=uid, group_id=group, prompt_ids=prompt.prompt_ids,
                       response_ids=out["response_ids"], logp_behav=out["logp"],
                       version=self._version, finish_reason=out["finish"],

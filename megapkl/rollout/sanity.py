@@ -1,11 +1,17 @@
 """Sanity check of a synthetic task: can plain REINFORCE teach a tiny random model on CPU?
 
-    python -m megapkl.rollout.sanity --steps 300
+    python -m megapkl.rollout.sanity                       # add_mod10, 250 steps of 100 x 8
+    python -m megapkl.rollout.sanity --task next_mod10 --max-new-tokens 2 --steps 100
 
 No megatron, no objectives library: a tiny Hugging Face Qwen3 (vocab 128, hidden 64, 2 layers) is
 the learner, the embedded engine samples from weights pushed every step (on-policy, so the push path
-runs every step), rewards are +1/-1, advantages are group-mean centered, and the loss is
--(A * logp).mean over response tokens. Prints the accuracy curve and wall time; returns the history.
+runs every step and the learner's log-probs must equal the engine's: reported as a check), rewards
+are +1/-1, advantages are group-mean centered, and the loss is -(A * logp).mean over response
+tokens. Prints the batch accuracy curve and wall time; returns the history.
+
+Measured (2 shared CPU cores; accuracy = mean over the last 50 of 250 steps, chance 0.098):
+add_mod10, 1 token: seeds 0/1/2 -> 0.17 / 0.98 / 0.65 (45-85 s); 2 tokens: 0.10 / 0.33 / 0.23.
+next_mod10, 2 tokens, 100 steps: 0.16-0.19 over the first 20 steps -> 0.99 over the last 20 (17 s).
 """
 from __future__ import annotations
 
@@ -50,8 +56,8 @@ def response_logprobs(model, samples: list[Sample], temperature: float
     return logp * valid, valid
 
 
-def run(steps: int = 300, prompts_per_step: int = 16, n: int = 8, max_new_tokens: int = 8,
-        lr: float = 3e-3, seed: int = 0, log_every: int = 20, task: str = "add_mod10",
+def run(steps: int = 250, prompts_per_step: int = 100, n: int = 8, max_new_tokens: int = 1,
+        lr: float = 2e-3, seed: int = 0, log_every: int = 20, task: str = "add_mod10",
         quiet: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -63,6 +69,7 @@ def run(steps: int = 300, prompts_per_step: int = 16, n: int = 8, max_new_tokens
     dataset = PromptDataset.from_synthetic(task_obj, template="raw")
     prompts = PromptIterator(len(dataset), seed=seed)
     reward = SyntheticReward(task_obj, correct=1.0, incorrect=-1.0)
+    # The task's stop tokens end a response at its answer (see megapkl.rollout.synthetic).
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
     history, start, max_dev = [], time.time(), 0.0  # max_dev: |learner - behavior| log-prob
     for step in range(steps):
@@ -91,15 +98,18 @@ def run(steps: int = 300, prompts_per_step: int = 16, n: int = 8, max_new_tokens
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--prompts", type=int, default=100, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=1,
+                    help="1: the answer token only (tokens after it are gradient noise)")
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", default="add_mod10", help="a synthetic task name")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out = run(args.steps, args.prompts, args.n, args.max_new_tokens, args.lr, args.seed)
+    out = run(args.steps, args.prompts, args.n, args.max_new_tokens, args.lr, args.seed,
+              task=args.task)
     acc = out["accuracy"]
     k = max(1, min(50, len(acc) // 5))
     print(f"chance {out['chance']:.3f}; first {k} steps {sum(acc[:k]) / k:.3f}; last {k} steps "

@@ -1,16 +1,20 @@
 """Synthetic verifiable tasks a tiny random model can learn by RL on CPU (demo, tests).
 
 `add_mod10`: prompt "a+b=" (a, b single digits, 100 prompts), answer the digit (a + b) mod 10.
-How a response is read decides whether pure RL from a random init gets any signal (the model has
-128 output tokens and starts near uniform), so it is a choice (`answer_mode`):
+`next_mod10`: prompt "d", answer (d + 1) mod 10 (a one-step table; the CPU demo's task).
+The model has 128 output tokens and starts near uniform, so how a response is read decides whether
+RL from a random init gets any signal (`answer_mode`):
 
 - "token_class" (default): the FIRST response token is the answer. Token id v (any id but PAD, BOS,
   EOS) spells digit (v - 48) mod 10, so '0'..'9' are themselves and every other token is one of
   about 12 alternative spellings of some digit. A uniform policy is right 125/1280 = 9.8% of the
   time, every digit is equally reachable (no shared "write digit d" direction for the policy to
-  collapse onto), and RL learns the table: see `megapkl.rollout.sanity` for the measured curve.
+  collapse onto), and RL learns the table: see `megapkl.rollout.sanity` for the measured curves.
+  Tokens after the first do not affect the reward but still enter a per-token policy gradient as
+  noise: keep max_response_len small (measured for add_mod10 with REINFORCE, 100 prompts x 8:
+  L = 1 or 2 learn within 250 updates, L = 4 and 8 stay at chance).
 - "first_digit": the first '0'..'9' character before EOS is the answer (a lenient grader). Chance
-  is (1 - (117/128)^L) / 10 = 4.9% for L = 8 tokens, but RL first learns "write some digit" and
+  is (1 - (117/128)^L) / 11 = 4.7% for L = 8 tokens, but RL first learns "write some digit" and
   then collapses onto one digit for all prompts (measured: stuck at 10%).
 - "strict": exactly one digit then EOS; chance (1/128)^2, for evaluating a trained policy only.
 

@@ -52,8 +52,8 @@ def test_logp_matches_teacher_forced_recompute(dense_model):
 def test_sampling_stays_inside_top_k_and_top_p(dense_model):
     engine = engine_for(dense_model, seed=2)
     for params in (dict(top_k=3), dict(top_p=0.5), dict(top_k=4, top_p=0.6)):
-        sampling = SamplingParams(max_new_tokens=6, temperature=1.3, **params)
-        for s in engine.generate(PROMPTS, 8, sampling):
+        sampling = SamplingParams(max_new_tokens=5, temperature=1.3, **params)
+        for s in engine.generate(PROMPTS, 4, sampling):
             logp, _ = teacher_forced(dense_model, s, 1.3)
             sorted_logp, order = logp.sort(dim=-1, descending=True)
             rank = (order == s.response_ids[:, None]).int().argmax(dim=-1)
@@ -153,7 +153,7 @@ def test_deterministic_and_resumable(dense_model):
         assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(other, next_a))
 
 
-def test_moe_routed_experts_match_teacher_forced_routing(moe_model):
+def test_moe_routed_experts_match_teacher_forced_routing(moe_model, dense_model):
     engine = engine_for(moe_model, seed=4, max_batch_size=5)
     assert engine.is_moe
     sampling = SamplingParams(max_new_tokens=7, temperature=0.9, stop_token_ids=STOPS,
@@ -167,7 +167,7 @@ def test_moe_routed_experts_match_teacher_forced_routing(moe_model):
         expect = logp.gather(1, s.response_ids[:, None]).squeeze(1)
         torch.testing.assert_close(s.logp_behav, expect, atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        EmbeddedEngine.from_model(build_model(DENSE)).generate(PROMPTS, 1, sampling)
+        engine_for(dense_model).generate(PROMPTS, 1, sampling)
 
 
 def test_pack_samples_feeds_token_batch(dense_model):
@@ -188,14 +188,20 @@ def test_pack_samples_feeds_token_batch(dense_model):
     assert torch.equal(batch.advantages, packed.per_token(packed.rewards))
 
 
-def test_sampling_params_validation():
+def test_argument_validation(dense_model):
     for bad in (dict(top_k=0), dict(top_p=0.0), dict(temperature=-1.0), dict(max_new_tokens=0),
                 dict(topk_logprobs=-1)):
         with pytest.raises(ValueError, match="SamplingParams"):
             SamplingParams(**bad)
+    engine = engine_for(dense_model)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        EmbeddedEngine.from_model(build_model(DENSE)).generate(
-            PROMPTS, 1, SamplingParams(max_new_tokens=300))
+        engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=300))
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        engine.generate(PROMPTS, 1, SamplingParams(topk_logprobs=200))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([PromptItem([1, 500])], 1, SamplingParams())
+    with pytest.raises(ValueError, match="n \\(responses per prompt\\)"):
+        engine.generate(PROMPTS, 0, SamplingParams())
 
 
 def test_from_pretrained_reads_local_safetensors(tmp_path, dense_model):
