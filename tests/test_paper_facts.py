@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from reference import naive  # noqa: E402
-from reference.gen import make_batch, to_token_batch  # noqa: E402
+from reference.gen import make_batch  # noqa: E402
 from reference.harness import run_library  # noqa: E402
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -148,7 +148,6 @@ def test_pkl_c3_pure_baseline_gives_zero_update():
 def _sis_sample(K, n_resp=400, T=500, seed=0):
     PolicyLossConfig, TokenBatch, policy_loss = _lib()
     gen = torch.Generator().manual_seed(seed)
-    Vs = 6
     lmu = torch.log_softmax(torch.tensor([1.2, 0.8, 0.3, 0.0, -0.5, -1.0], dtype=torch.float64), -1)
     lpi = torch.log_softmax(torch.tensor([0.9, 1.1, 0.1, 0.2, -0.2, -1.4], dtype=torch.float64), -1)
     n = n_resp * T

@@ -9,7 +9,7 @@ names, so stale protocols (controlled staleness, uniform stale) generate from ex
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -192,18 +192,5 @@ def _constant(members: Sequence[Sample]) -> bool:
 
 
 def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(sampling, seed=seed)
 
-
-def batch_summary(samples: Sequence[Sample], reward) -> dict[str, float]:
-    """Local sums for the rollout metrics (reduced over DP by the loop)."""
-    n = len(samples)
-    return {"n": float(n), "reward": float(sum(s.reward for s in samples)),
-            "correct": float(sum(s.reward == reward.correct for s in samples)),
-            "resp_len": float(sum(s.response_len for s in samples))}
-
-
-def math_ceil(a: int, b: int) -> int:
-    return -(-a // b)

@@ -1,6 +1,5 @@
 """R3 end to end: the experts the embedded engine records, replayed in the trainer's megatron
 forward, give the engine's own log-probs (tiny Qwen3-MoE, same weights version)."""
-import torch
 
 from megapkl.config import load_config
 
