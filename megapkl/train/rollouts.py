@@ -85,9 +85,11 @@ class RolloutStage:
     def remember(self, version: int, weights) -> None:
         """Keep the weights of `version` (an iterator of (HF name, tensor); consumed on every rank
         because the export is collective, stored only by the engine's rank)."""
-        kept = [(n, t.detach().to("cpu", copy=True)) for n, t in weights]
-        if self.leader:
-            self.pool[version] = kept
+        if not self.leader:
+            for _ in weights:  # take part in the collective export, keep nothing
+                pass
+            return
+        self.pool[version] = [(n, t.detach().to("cpu", copy=True)) for n, t in weights]
 
     def forget_before(self, version: int) -> None:
         for v in [v for v in self.pool if v < version]:
