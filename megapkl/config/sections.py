@@ -72,6 +72,10 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = field(default=None, metadata=rng(2))
     micro_batch_size: int = field(default=1, metadata=rng(1))
     distributed_optimizer: bool = True
+    # How responses share micro-batch rows: "none" = one right-padded row per response (BSHD);
+    # "thd" = all responses of a micro-batch packed into one row with cu_seqlens (no padding
+    # between responses beyond 2*cp multiples; megapkl.parallel.batching.pack_thd).
+    packing: Literal["none", "thd"] = "none"
 
     def check(self, err) -> None:
         if self.sequence_parallel and self.tensor < 2:

@@ -86,6 +86,19 @@ class MicroBatch:
     # [b, S, L, k] experts to replay over the FULL sequence (R3), or None. Not CP-sharded here:
     # megapkl.models.replay slices it for the rank's CP chunks, TP/SP part and PP layers.
     routed: Optional[Tensor] = None
+    # THD packing (`pack_thd`): the micro-batch is ONE row holding every response back to back,
+    # each padded to a multiple of 2*cp. cu_seqlens_padded [n+1] int32 are the segment bounds in
+    # the FULL row (Megatron/TE convention: global, before CP sharding), cu_seqlens [n+1] the
+    # bounds of the unpadded prompt + response lengths, segment [1, S] the response index of
+    # every position (-1 for padding). All None for the one-row-per-response (BSHD) layout.
+    cu_seqlens: Optional[Tensor] = None
+    cu_seqlens_padded: Optional[Tensor] = None
+    segment: Optional[Tensor] = None
+
+    @property
+    def is_thd(self) -> bool:
+        """One packed row with cu_seqlens (`pack_thd`), not one response per row."""
+        return self.cu_seqlens_padded is not None
 
     @property
     def num_action_tokens(self) -> int:
@@ -203,10 +216,22 @@ def split_responses(responses: Sequence[Response], num_micro: int) -> list[list[
 
 
 def make_micro_batches(responses: Sequence[Response], num_micro: int, multiple: int, *,
-                       same_shape: bool = False, pad_id: int = 0) -> list[MicroBatch]:
+                       same_shape: bool = False, pad_id: int = 0,
+                       layout: str = "bshd") -> list[MicroBatch]:
     """Split and pack. `same_shape=True` pads every micro-batch to one [b, S] (pipeline
-    parallelism sends activations of a fixed shape between stages)."""
+    parallelism sends activations of a fixed shape between stages).
+
+    layout="bshd" (default): one response per row (`pack`). layout="thd": each micro-batch is
+    one packed row with cu_seqlens (`pack_thd`); `multiple` is then the per-sequence padding
+    (`pad_multiple(cp, tp, sp)`), and `same_shape` pads every row to one total length."""
     parts = split_responses(responses, num_micro)
+    if layout == "thd":
+        if not same_shape:
+            return [pack_thd(p, multiple, pad_id=pad_id) for p in parts]
+        total = max(thd_length(p, multiple) for p in parts)
+        return [pack_thd(p, multiple, total_length=total, pad_id=pad_id) for p in parts]
+    if layout != "bshd":
+        raise ValueError(f"make_micro_batches: layout must be 'bshd' or 'thd', got {layout!r}")
     if not same_shape:
         return [pack(p, multiple, pad_id=pad_id) for p in parts]
     longest = max(r.prompt_ids.numel() + r.response_ids.numel() for r in responses)
@@ -228,9 +253,12 @@ def cp_slice(x: Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> Tensor:
 
 
 def shard_for_cp(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
-    """This CP rank's shard: every per-position tensor sliced, per-response tensors kept whole."""
+    """This CP rank's shard: every per-position tensor sliced, per-response tensors kept whole.
+    A THD micro-batch is sliced per packed sequence (`thd_cp_index`)."""
     if mb.cp_size != 1:
         raise ValueError("shard_for_cp: micro-batch is already a CP shard")
+    if mb.is_thd:
+        return _shard_thd(mb, cp_rank, cp_size)
     sl = lambda t: cp_slice(t, cp_rank, cp_size, dim=1)  # noqa: E731
     return dataclasses.replace(
         mb, tokens=sl(mb.tokens), position_ids=sl(mb.position_ids), labels=sl(mb.labels),
@@ -256,17 +284,26 @@ def action_values(mb: MicroBatch, per_position: Tensor) -> Tensor:
     return per_position[mb.loss_mask]
 
 
+def action_rows(mb: MicroBatch) -> Tensor:
+    """[N] response index (row of the per-response tensors) of each local action token, in
+    `token_batch` order: the row for one-response-per-row batches, the packed segment for THD."""
+    if mb.is_thd:
+        return mb.segment[mb.loss_mask]
+    return mb.loss_mask.nonzero(as_tuple=True)[0]
+
+
 def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = None,
                 entropy: Optional[Tensor] = None, step: int = 0) -> TokenBatch:
     """The local action tokens as a `TokenBatch` in response order (row-major over the mask).
 
     Within a row the local columns are chunk r then chunk 2cp-1-r, both increasing in global
-    position, so row-major order is response order with increasing positions. `logp`,
+    position, so row-major order is response order with increasing positions. A THD row holds
+    sequence 0's two chunks, then sequence 1's, ...: again response order. `logp`,
     `topk_logp`, `entropy` are [N] / [N, K] in the same order (e.g. computed from
     `action_values(mb, logits)`).
     """
     mask = mb.loss_mask
-    rows = mask.nonzero(as_tuple=True)[0]
+    rows = action_rows(mb)
     m = mb.num_responses
     f = {k: v[mask] for k, v in mb.fields.items()}
     dtype = logp.dtype
@@ -284,3 +321,179 @@ def response_lengths(mb: MicroBatch) -> Tensor:
     """[M] full T_m of the micro-batch's responses (for `LossContext.response_lengths`)."""
     return mb.lengths[:mb.num_responses]
 
+
+
+# ----------------------------------------------------------------------------- THD packing
+
+# Several responses in ONE row, Megatron/Transformer Engine's packed ("thd") format:
+#
+#     tokens [1, S]  response 0 (prompt + response, padded to a multiple of 2*cp), response 1, ...
+#     cu_seqlens_padded [n+1] int32  segment bounds in the full row; cu_seqlens [n+1] the bounds
+#                    of the unpadded lengths (segment i holds cu_seqlens[i+1]-cu_seqlens[i] real
+#                    tokens starting at cu_seqlens_padded[i])
+#     position_ids   restart at 0 in every segment (megatron's THD RoPE restarts per segment)
+#     labels         shifted within each sequence, on the full row, before any CP sharding
+#
+# Context parallelism (TE's THD layout, `thd_cp_index`): every segment is cut into 2*cp equal
+# chunks and CP rank r holds chunks r and 2cp-1-r OF EACH SEGMENT, segment after segment, so
+# each rank holds S / cp tokens and the same share of every response. The model gets megatron's
+# `PackedSeqParams(qkv_format="thd", ...)` (`thd_packed_seq_params`); the attention is causal
+# within a segment and never crosses segments (`megapkl.parallel.cp_attention`).
+
+def thd_length(responses: Sequence[Response], multiple: int) -> int:
+    """Packed row length of `responses` (each prompt + response rounded up to `multiple`)."""
+    return sum(_round_up(r.prompt_ids.numel() + r.response_ids.numel(), multiple) for r in responses)
+
+
+def thd_cp_index(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
+    """[S / cp] positions in the full packed row held by `cp_rank`: chunks r and 2cp-1-r of each
+    segment (TE's `thd_get_partitioned_indices` layout), in local order."""
+    bounds = [int(x) for x in cu_seqlens_padded.tolist()]
+    if cp_size == 1:
+        return torch.arange(bounds[-1], dtype=torch.int64)
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if (b - a) % (2 * cp_size):
+            raise ValueError(f"thd_cp_index: segment [{a}, {b}) is not a multiple of 2*cp = {2 * cp_size}")
+        c = (b - a) // (2 * cp_size)
+        for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            out.append(torch.arange(a + k * c, a + (k + 1) * c, dtype=torch.int64))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def pack_thd(responses: Sequence[Response], multiple: int, *, total_length: Optional[int] = None,
+             pad_id: int = 0) -> MicroBatch:
+    """One packed [1, S] row of `responses` with cu_seqlens (THD), labels shifted per sequence.
+
+    Each prompt + response is padded to a multiple of `multiple` (`pad_multiple(cp, tp, sp)`).
+    `total_length` (a multiple of `multiple`, >= the packed length) appends one padding segment
+    so that every micro-batch of a pipeline-parallel step has the same S.
+    """
+    if not responses:
+        raise ValueError("pack_thd: no responses")
+    lens, padded = [], []
+    for r in responses:
+        p, t = r.prompt_ids.numel(), r.response_ids.numel()
+        if p < 1:
+            raise ValueError(f"pack_thd: response uid={r.uid} has an empty prompt; the first action "
+                             "token needs a preceding token to be predicted from")
+        if t < 1:
+            raise ValueError(f"pack_thd: response uid={r.uid} has no action tokens")
+        lens.append(p + t)
+        padded.append(_round_up(p + t, multiple))
+    s = sum(padded)
+    if total_length is not None:
+        if total_length < s or total_length % multiple:
+            raise ValueError(f"pack_thd: total_length {total_length} must be >= {s} and a multiple "
+                             f"of {multiple}")
+        if total_length > s:
+            lens.append(0)
+            padded.append(total_length - s)
+            s = total_length
+    tokens = torch.full((1, s), pad_id, dtype=torch.int64)
+    labels = torch.zeros(1, s, dtype=torch.int64)
+    position_ids = torch.zeros(1, s, dtype=torch.int64)
+    segment = torch.full((1, s), -1, dtype=torch.int64)
+    loss_mask = torch.zeros(1, s, dtype=torch.bool)
+    action_pos = torch.zeros(1, s, dtype=torch.int64)
+    fields = _empty_fields(responses[0], 1, s)
+    starts = [0]
+    for n in padded:
+        starts.append(starts[-1] + n)
+    for start, n in zip(starts[:-1], padded):
+        position_ids[0, start:start + n] = torch.arange(n)
+    for i, r in enumerate(responses):
+        o, p, t = starts[i], r.prompt_ids.numel(), r.response_ids.numel()
+        seq = torch.cat([r.prompt_ids, r.response_ids]).to(torch.int64)
+        tokens[0, o:o + p + t] = seq
+        segment[0, o:o + padded[i]] = i
+        at = slice(o + p - 1, o + p - 1 + t)   # label positions of the action tokens
+        labels[0, o:o + p + t - 1] = seq[1:]   # the shift, within this sequence only
+        loss_mask[0, at] = True
+        action_pos[0, at] = torch.arange(1, t + 1)
+        for name, buf in fields.items():
+            value = getattr(r, name)
+            if value is None or value.shape[0] != t:
+                raise ValueError(f"pack_thd: response uid={r.uid}: {name} must have {t} rows "
+                                 f"(one per action token), got "
+                                 f"{None if value is None else list(value.shape)}")
+            buf[0, at] = value.to(buf.dtype)
+    labels = torch.where(loss_mask, labels, torch.zeros_like(labels))
+    cu_padded = torch.tensor(starts, dtype=torch.int32)
+    # cu_seqlens in TE's padded convention: segment i's real tokens are [cu_padded[i],
+    # cu_padded[i] + (cu[i+1] - cu[i])), i.e. the unpadded lengths' cumulative sum.
+    real = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(real, 0).to(torch.int32)])
+    return MicroBatch(
+        tokens=tokens, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
+        action_pos=action_pos, routed=_routed_thd(responses, starts, s),
+        lengths=torch.tensor([r.num_actions for r in responses], dtype=torch.int64),
+        advantages=torch.tensor([float(r.advantage) for r in responses],
+                                dtype=responses[0].logp_behav.dtype),
+        group=torch.tensor([int(r.group) for r in responses], dtype=torch.int64),
+        uid=torch.tensor([int(r.uid) for r in responses], dtype=torch.int64),
+        num_responses=len(responses), seq_length=s, fields=fields,
+        cu_seqlens=cu, cu_seqlens_padded=cu_padded, segment=segment)
+
+
+def _routed_thd(responses: Sequence[Response], starts: Sequence[int], s: int) -> Optional[Tensor]:
+    """[1, S, L, k] replay targets of a packed row (see `_routed`), or None."""
+    first = responses[0].routed_experts
+    if first is None:
+        return None
+    layers, k = first.shape[1:]
+    out = torch.arange(k, dtype=torch.int64).expand(1, s, layers, k).clone()
+    for i, r in enumerate(responses):
+        rows = r.prompt_ids.numel() + r.response_ids.numel() - 1
+        if r.routed_experts is None or tuple(r.routed_experts.shape) != (rows, layers, k):
+            raise ValueError(f"pack_thd: response uid={r.uid}: routed_experts must be [{rows}, "
+                             f"{layers}, {k}] (prompt + response - 1 rows), got "
+                             f"{None if r.routed_experts is None else list(r.routed_experts.shape)}")
+        out[0, starts[i]:starts[i] + rows] = r.routed_experts.to(torch.int64)
+    return out
+
+
+def _shard_thd(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
+    """CP shard of a packed row: chunks r and 2cp-1-r of every segment; cu_seqlens stay global
+    (megatron's THD RoPE and the attention read the full-row bounds)."""
+    idx = thd_cp_index(mb.cu_seqlens_padded, cp_rank, cp_size)
+    sl = lambda t: t.index_select(1, idx)  # noqa: E731
+    return dataclasses.replace(
+        mb, tokens=sl(mb.tokens), position_ids=sl(mb.position_ids), labels=sl(mb.labels),
+        loss_mask=sl(mb.loss_mask), action_pos=sl(mb.action_pos), segment=sl(mb.segment),
+        fields={k: sl(v) for k, v in mb.fields.items()}, cp_rank=cp_rank, cp_size=cp_size,
+        routed=None if mb.routed is None else thd_routed_for_replay(mb.routed, mb.cu_seqlens_padded,
+                                                                     cp_size))
+
+
+def thd_routed_for_replay(routed: Tensor, cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+    """The packed row's [1, S, ...] replay targets reordered so that the BSHD slicing done by
+    `megapkl.models.replay` (chunks r and 2cp-1-r of the whole row) yields, on every CP rank r,
+    exactly the THD-local tokens `thd_cp_index(cu_seqlens_padded, r, cp)` in order."""
+    if cp_size == 1:
+        return routed
+    s = routed.shape[1]
+    c = s // (2 * cp_size)
+    out = torch.empty_like(routed)
+    for q in range(cp_size):
+        idx = thd_cp_index(cu_seqlens_padded, q, cp_size)
+        out[:, q * c:(q + 1) * c] = routed[:, idx[:c]]
+        k = 2 * cp_size - 1 - q
+        out[:, k * c:(k + 1) * c] = routed[:, idx[c:]]
+    return out
+
+
+def thd_packed_seq_params(mb: MicroBatch, cp_group=None):
+    """megatron `PackedSeqParams(qkv_format="thd", ...)` of a packed micro-batch (or a CP shard
+    of one): global cu_seqlens (int32), the padded bounds, max_seqlen = longest padded segment
+    (megatron's RoPE table length; with several segments it stays below S, so megatron's THD
+    RoPE takes its per-segment, restart-at-0 path)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not mb.is_thd:
+        raise ValueError("thd_packed_seq_params: micro-batch is not THD-packed (pack_thd)")
+    max_len = int(mb.cu_seqlens_padded.diff().max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+        cu_seqlens_q_padded=mb.cu_seqlens_padded, cu_seqlens_kv_padded=mb.cu_seqlens_padded,
+        max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group)

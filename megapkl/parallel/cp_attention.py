@@ -18,10 +18,16 @@ attend to every rank's keys) and keeps this rank's slice: a reduce-scatter, done
 
     spec = gpt_layer_spec_with_cp_attention(normalization="RMSNorm")   # local spec, CP-capable
     model = GPTModel(config, spec, ...)     # config.context_parallel_size may be > 1
+
+Packed sequences (THD, `megapkl.parallel.batching.pack_thd`): with
+`packed_seq_params=PackedSeqParams(qkv_format="thd", ...)` megatron passes [t, heads, hn]
+tensors of one packed row; `cp_thd_causal_attention` attends causally within each packed
+sequence (block-diagonal), CP layout = chunks r and 2cp-1-r of EACH sequence (TE's).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Optional
 
@@ -129,6 +135,84 @@ def cp_causal_attention(query: Tensor, key: Tensor, value: Tensor, cp_group: Pro
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 
+# ----------------------------------------------------------------------------- packed (THD)
+
+def thd_segment_ids(cu_seqlens_padded: Tensor, device: Optional[torch.device] = None) -> Tensor:
+    """[S] segment index of every position of the full packed row."""
+    lengths = cu_seqlens_padded.diff().to(torch.int64)
+    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths).to(device)
+
+
+def cp_thd_causal_attention(query: Tensor, key: Tensor, value: Tensor, cp_group: ProcessGroup,
+                            softmax_scale: float, cu_seqlens_padded: Tensor,
+                            cu_seqlens: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """Block-diagonal causal attention of a packed (THD) row, local queries over the CP-gathered
+    keys and values.
+
+    query [t, np, hn]; key, value [t, ng, hn]: this CP rank's tokens in TE's THD layout (chunks
+    r and 2cp-1-r of every segment, `megapkl.parallel.batching.thd_cp_index`). cu_seqlens_padded
+    [n+1]: segment bounds of the FULL row (global). A query attends to the keys of its own
+    segment at global positions <= its own; with `cu_seqlens` (unpadded cumulative lengths) the
+    padding keys at the end of a segment are masked too (a padding query still sees itself, so
+    no row is empty). Keys are put back into global order, so the sum runs as at CP=1.
+    Returns [t, np * hn].
+    """
+    t, heads, hn = query.shape
+    cp, rank = group_size(cp_group), group_rank(cp_group)
+    bounds = tuple(int(x) for x in cu_seqlens_padded.tolist())
+    real = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
+    if t * cp != bounds[-1]:
+        raise ValueError(f"THD attention: {t} local tokens x cp {cp} != packed length {bounds[-1]}")
+    order, allowed = _thd_layout(bounds, real, rank, cp)     # cached: every layer reuses it
+    kv = gather_sequence(torch.stack([key, value], dim=1), cp_group)      # [S, 2, ng, hn]
+    if order is not None:
+        kv = kv.index_select(0, order.to(kv.device))
+    k, v = kv.unbind(dim=1)                                                # [S, ng, hn], global order
+    rep = heads // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        query.permute(1, 0, 2).unsqueeze(0), k.permute(1, 0, 2).unsqueeze(0),
+        v.permute(1, 0, 2).unsqueeze(0), attn_mask=allowed.to(query.device), dropout_p=dropout_p,
+        scale=softmax_scale)                                               # [1, np, t, hn]
+    return out[0].permute(1, 0, 2).reshape(t, heads * hn)
+
+
+@functools.lru_cache(maxsize=16)
+def _thd_layout(bounds: tuple, real: Optional[tuple], rank: int, cp: int):
+    """(index putting the rank-major gathered keys into global order, or None at CP=1;
+    bool [t, S] mask of the keys each local query attends to), for one packed layout."""
+    from megapkl.parallel.batching import thd_cp_index
+
+    cu_padded = torch.tensor(bounds, dtype=torch.int64)
+    total = bounds[-1]
+    order = None
+    if cp > 1:
+        held = torch.cat([thd_cp_index(cu_padded, q, cp) for q in range(cp)])   # gathered order
+        order = torch.argsort(held)
+    seg = thd_segment_ids(cu_padded)                                       # [S]
+    q_pos = thd_cp_index(cu_padded, rank, cp)                              # [t] global positions
+    k_pos = torch.arange(total)
+    allowed = (seg.unsqueeze(0) == seg[q_pos].unsqueeze(1)) & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
+    if real is not None:
+        lengths = torch.tensor(real, dtype=torch.int64).diff()
+        k_valid = (k_pos - cu_padded[:-1][seg]) < lengths[seg]             # not segment padding
+        allowed = allowed & (k_valid.unsqueeze(0) | (k_pos.unsqueeze(0) == q_pos.unsqueeze(1)))
+    return order, allowed
+
+
+def _thd_bounds(packed_seq_params):
+    """(padded bounds, unpadded bounds or None) of megatron's PackedSeqParams (self-attention:
+    q and kv bounds must agree)."""
+    p = packed_seq_params
+    cu = p.cu_seqlens_q
+    padded = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else cu
+    kv_padded = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
+    if kv_padded is not None and not torch.equal(kv_padded.cpu(), padded.cpu()):
+        raise ValueError("CPDotProductAttention (THD): q and kv cu_seqlens differ (self-attention only)")
+    return padded, (cu if p.cu_seqlens_q_padded is not None else None)
+
+
 # ----------------------------------------------------------------------------- megatron module
 
 class CPDotProductAttention(MegatronModule):
@@ -172,12 +256,24 @@ class CPDotProductAttention(MegatronModule):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("CPDotProductAttention: packed (THD) sequences are not supported; "
-                             "use [b, s] right-padded rows")
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+            raise ValueError("CPDotProductAttention: packed sequences must use qkv_format='thd', "
+                             f"got {packed_seq_params.qkv_format!r}")
         if attention_bias is not None:
             raise ValueError("CPDotProductAttention: attention_bias is not supported")
         p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            # megatron's Attention squeezed q/k/v to [t, heads, hn] and applied the THD RoPE
+            # (restarting per segment, CP-aware); it reshapes our [t, np*hn] to [t, 1, np*hn].
+            padded, cu = _thd_bounds(packed_seq_params)
+            if p > 0:
+                from megatron.core import tensor_parallel
+
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    return cp_thd_causal_attention(query, key, value, self.cp_group,
+                                                   self.softmax_scale, padded, cu, p)
+            return cp_thd_causal_attention(query, key, value, self.cp_group, self.softmax_scale,
+                                           padded, cu)
         if p > 0:
             from megatron.core import tensor_parallel
 

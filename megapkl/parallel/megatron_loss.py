@@ -48,8 +48,9 @@ from megapkl.config.objective import ObjectiveConfig
 from megapkl.objectives.context import LossContext, ResponseTable
 from megapkl.objectives.metrics import MetricParts
 from megapkl.parallel import reductions as R
-from megapkl.parallel.batching import (MicroBatch, action_labels, action_topk_ids, action_values,
-                                       response_lengths, token_batch)
+from megapkl.parallel.batching import (MicroBatch, action_labels, action_rows, action_topk_ids,
+                                       action_values, response_lengths, thd_packed_seq_params,
+                                       token_batch)
 from megapkl.parallel.groups import ParallelGroups
 from megapkl.parallel.shard_loss import shard_policy_loss, shard_prepass
 from megapkl.parallel.vocab import token_logprobs_entropy_topk
@@ -147,12 +148,17 @@ def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
 def _forward(model, mb: MicroBatch, groups: Optional[ParallelGroups] = None) -> Tensor:
     # One response per row starting at position 0: RoPE positions come from the sequence itself
     # (megatron slices them per CP rank), causal masking from the attention module.
+    # A THD-packed row (pack_thd) also passes megatron's PackedSeqParams: RoPE restarts per
+    # packed sequence and the (CP-capable) core attention is block-diagonal causal.
+    kwargs = {}
+    if mb.is_thd:
+        kwargs["packed_seq_params"] = thd_packed_seq_params(mb, groups.cp if groups is not None else None)
     if mb.routed is None:
-        return model(mb.tokens, mb.position_ids, attention_mask=None)
+        return model(mb.tokens, mb.position_ids, attention_mask=None, **kwargs)
     from megapkl.models.replay import replaying  # R3: the rollout's experts, this micro-batch
 
     with replaying(model, mb.routed, groups=groups):
-        return model(mb.tokens, mb.position_ids, attention_mask=None)
+        return model(mb.tokens, mb.position_ids, attention_mask=None, **kwargs)
 
 
 def make_forward_step(loss_func: Callable, groups: Optional[ParallelGroups] = None) -> Callable:
@@ -257,7 +263,7 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
     (gathered over the CP group) on the last pipeline stage, {} elsewhere."""
     def loss_func(mb: MicroBatch, logits: Tensor):
         lp = action_logprobs(mb, logits, groups, temperature).logp
-        rows = mb.loss_mask.nonzero(as_tuple=True)[0]
+        rows = action_rows(mb)
         keyed = torch.stack([mb.uid.index_select(0, rows).to(torch.float64),
                              mb.action_pos[mb.loss_mask].to(torch.float64), lp.to(torch.float64)], 1)
         return torch.zeros(()), torch.tensor(0, dtype=torch.int), keyed

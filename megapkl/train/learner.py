@@ -74,7 +74,8 @@ class Learner:
         per = self.cfg.parallel.micro_batch_size
         num_micro = max(1, math.ceil(len(responses) / per))
         mbs = make_micro_batches(responses, num_micro, self.multiple,
-                                 same_shape=self.groups.pp_size > 1)
+                                 same_shape=self.groups.pp_size > 1,
+                                 layout="thd" if self.cfg.parallel.packing == "thd" else "bshd")
         return [shard_for_cp(mb, self.groups.cp_rank, self.groups.cp_size) for mb in mbs]
 
     # ------------------------------------------------------------------ forward passes

@@ -135,3 +135,19 @@ def test_nan_loss_skips_then_aborts(dist_run, tmp_path, monkeypatch):
     bad = cfg_for(tmp_path, "nan_bad", "train.steps=8", "train.max_nan_skips_in_row=2")
     with pytest.raises(Exception, match=r"update 5: non-finite loss .* 3 updates in a row"):
         train(dist_run, bad)
+
+
+def test_context_parallel_and_thd_packing_match_plain_layout(dist_run, tmp_path):
+    """The trainer at CP=2 (one-row and THD-packed layouts) logs the same loss, coefficients'
+    statistics and gradient norm as at CP=1 for the same rollouts (partition invariance)."""
+    keys = ("loss", "coef/mean", "coef/abs_max", "grad_norm", "pkl/credit_mean", "is/log_dev")
+    runs = {}
+    for name, extra, world in (("cp1", [], 1), ("cp2", ["parallel.context=2"], 2),
+                               ("cp2_thd", ["parallel.context=2", "parallel.packing=thd"], 2)):
+        cfg = cfg_for(tmp_path, name, "train.steps=2", "objective.horizon=3", *extra)
+        train(dist_run, cfg, world=world)
+        runs[name] = read_metrics(cfg.run_dir)
+    for name in ("cp2", "cp2_thd"):
+        for a, b in zip(runs["cp1"], runs[name]):
+            for k in keys:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (name, a["step"], k)
