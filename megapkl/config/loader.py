@@ -147,12 +147,7 @@ def _linearize_file(path: Path, stack: list[tuple[Path, str]], done: set[Path],
 
 def _linearize_text(text: str, source: str, base_dir: Path, stack: list[tuple[Path, str]],
                     done: set[Path]) -> list[_Layer]:
-    data, lines = yamlio.parse(text, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"the top level must be a mapping of sections, got {type(data).__name__}",
-                          source=source, line=1)
+    data, lines = yamlio.parse_mapping(text, source, "the top level must be a mapping of sections")
     layers: list[_Layer] = []
     for parent, key in _extends_list(data.pop("extends", None), source, lines):
         ppath = Path(parent) if os.path.isabs(parent) else base_dir / parent

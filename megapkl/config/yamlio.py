@@ -106,3 +106,13 @@ def dump(data: Any) -> str:
     """YAML text that `parse` reads back to equal data (key order kept)."""
     return yaml.dump(data, Dumper=ConfigDumper, sort_keys=False, default_flow_style=False,
                      allow_unicode=True, width=100)
+
+
+def parse_mapping(text: str, source: str, what: str) -> tuple[dict, dict]:
+    """`parse`, requiring a top-level mapping (an empty document is {}); `what` names it in the error."""
+    data, lines = parse(text, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}, got {type(data).__name__}", source=source, line=1)
+    return data, lines

@@ -276,12 +276,7 @@ def load_profile(name_or_path: str | os.PathLike) -> ClusterProfile:
 
 def loads_profile(text: str, *, source: str = "<string>", name: str = "") -> ClusterProfile:
     """Validate a profile from YAML text; errors name `source`, the line and the key."""
-    data, lines = yamlio.parse(text, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"a profile is a mapping of keys, got {type(data).__name__}",
-                          source=source, line=1)
+    data, lines = yamlio.parse_mapping(text, source, "a profile is a mapping of keys")
     try:
         prof = build(ClusterProfile, data, source=source)
     except ConfigError as exc:
