@@ -48,8 +48,3 @@ def nonconstant_groups(rewards: Tensor, dense: Tensor, num_groups: int) -> Tenso
     gmin = rewards.new_full((num_groups,), torch.inf).scatter_reduce(0, dense, rewards, "amin")
     return (gmax > gmin)[dense]
 
-
-def constant_group_mask(rewards: Tensor, group_index: Tensor) -> Tensor:
-    """True for responses in groups whose rewards are all equal (dropped by dynamic sampling)."""
-    dense, counts = group_ids(group_index)
-    return ~nonconstant_groups(rewards, dense, counts.shape[0])

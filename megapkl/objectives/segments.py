@@ -5,12 +5,6 @@ import torch
 from torch import Tensor
 
 
-def response_sum(values: Tensor, response_index: Tensor, num_responses: int) -> Tensor:
-    """Sum of a per-token tensor over each response: [N] -> [M] (any token order)."""
-    out = values.new_zeros(num_responses)
-    return out.index_add_(0, response_index, values)
-
-
 def packed_sum(values: Tensor, lengths: Tensor) -> Tensor:
     """Sum over each response of a packed per-token tensor (responses contiguous, in order)."""
     return torch.segment_reduce(values, "sum", lengths=lengths)
