@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
 
     add_subcommands(sub)
+    from megapkl.data.cli import add_subcommands as add_data  # data prepare, data list
+    from megapkl.eval.cli import add_subcommands as add_eval  # eval
+
+    add_data(sub)
+    add_eval(sub)
     return parser
 
 

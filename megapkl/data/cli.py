@@ -1,0 +1,57 @@
+"""`megapkl data prepare NAME... --out DIR` and `megapkl data list`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_data_list(args: argparse.Namespace) -> int:
+    from megapkl.data.registry import SOURCES, UNAVAILABLE
+
+    for s in SOURCES.values():
+        proto = "greedy pass@1" if s.greedy else f"mean@{s.n_samples}"
+        extra = f" ({s.data_files})" if s.data_files else ""
+        print(f"{s.name:20s} {s.kind:5s} {s.hf_id}{extra} [{s.split}]"
+              + (f"  eval: {proto}" if s.kind == "eval" else ""))
+    for name, why in UNAVAILABLE.items():
+        print(f"{name:20s} n/a   {why}")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from megapkl.data.prepare import PrepareError, prepare
+    from megapkl.data.registry import EVAL_SETS
+
+    names = list(EVAL_SETS) if args.names == ["eval"] else args.names
+    if args.from_file and len(names) != 1:
+        print("megapkl: error: --from-file takes one dataset name", file=sys.stderr)
+        return 2
+    for name in names:
+        try:
+            m = prepare(name, args.out, from_file=args.from_file, revision=args.revision,
+                        keep_ids_file=args.keep_ids)
+        except (PrepareError, ValueError, FileNotFoundError, ImportError) as e:
+            print(f"megapkl: error: {name}: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        warn = ""
+        if m["expected_rows"] and m["rows"] != m["expected_rows"] and not args.from_file:
+            warn = f" (expected {m['expected_rows']}: check the source revision)"
+        print(f"{name}: {m['rows']} problems from {m['rows_read']} rows "
+              f"({m['duplicates_dropped']} duplicates dropped){warn} -> {args.out}/{m['file']}")
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    data = sub.add_parser("data", help="prepare the papers' training and evaluation data")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    lst = dsub.add_parser("list", help="the known datasets, their sources and eval protocols")
+    lst.set_defaults(func=cmd_data_list)
+    prep = dsub.add_parser("prepare", help="download and convert datasets to prompt/answer JSONL")
+    prep.add_argument("names", nargs="+", metavar="NAME", help="dataset names, or 'eval' for all "
+                      "evaluation sets (see `megapkl data list`)")
+    prep.add_argument("--out", required=True, help="output directory (e.g. data/eval)")
+    prep.add_argument("--from-file", help="convert a local JSONL/Parquet copy in the source's "
+                      "layout instead of downloading")
+    prep.add_argument("--revision", help="Hub revision (commit, tag or branch) to download")
+    prep.add_argument("--keep-ids", help="keep only rows whose id is listed in this file")
+    prep.set_defaults(func=cmd_data_prepare)

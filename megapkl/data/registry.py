@@ -1,0 +1,119 @@
+"""The papers' datasets in one table: where each lives on the Hugging Face Hub, its columns, how
+its answer is read, and how the papers evaluate it.
+
+Column paths are dotted and may index lists (`prompt.0.content`); a source lists candidate paths in
+order and the first one present in a row is used, so small layout differences between mirrors of a
+benchmark do not need code. Eval protocols: PKL 6.1 / C.1 reports greedy pass@1 on MATH500,
+OlympiadBench, Minerva Math and Gaokao 2023 EN and mean@16 (and pass@16) on AIME24/25 and
+AMC23/24; TETPO B reports avg@16 on MATH500, AMC23/24 and AIME24/25 (temperature 0.6, top-p 0.95,
+top-k 20); SIS reports accuracy on MATH500, AMC23, AIME24/25 without stating the number of samples
+in the text we follow (its runs pick their own `eval.benchmarks`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+# DAPO-Math-17k wraps every problem in an instruction to end with "Answer: $Answer"; megapkl's
+# prompt templates add their own instruction (\boxed{}), so the wrapper is removed.
+_DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?\n\n", re.S)
+_DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.?\s*$")
+
+
+def strip_dapo_wrapper(text: str) -> str:
+    return _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", text, count=1)).strip()
+
+
+def plain_answer(value: Any) -> str:
+    """A gold answer as text: lists give their first element (OlympiadBench's final_answer is a
+    list), surrounding $...$ are dropped, floats that are integers lose their '.0'."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("empty answer list")
+        value = value[0]
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"answer must be text or a number, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = str(value).strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    return text
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset: Hub location, columns, answer reading and (for eval sets) the protocol."""
+
+    name: str
+    hf_id: str
+    split: str
+    prompt: tuple[str, ...]  # candidate column paths for the problem text
+    answer: tuple[str, ...]  # candidate column paths for the gold answer
+    kind: str = "eval"  # 'eval' or 'train'
+    config: Optional[str] = None  # the Hub config name
+    data_files: Optional[str] = None  # a file inside the repository instead of a config
+    ids: tuple[str, ...] = ()  # candidate columns for a stable problem id (else the row number)
+    clean_prompt: Callable[[str], str] = str.strip
+    greedy: bool = False  # eval protocol: greedy pass@1, or n_samples sampled per prompt
+    n_samples: int = 16
+    expected_rows: Optional[int] = None  # rows after deduplication, for a warning on a mismatch
+    note: str = ""
+
+
+SOURCES: dict[str, Source] = {s.name: s for s in [
+    # ---- training sets
+    Source("dapo_math_17k", "BytedTsinghua-SIA/DAPO-Math-17k", "train",
+           prompt=("prompt.0.content", "prompt"), answer=("reward_model.ground_truth", "solution"),
+           ids=("extra_info.index",), kind="train", clean_prompt=strip_dapo_wrapper,
+           expected_rows=17398,
+           note="The Hub copy repeats each problem ~100 times (1.79M rows); deduplication keeps "
+                "17,398 problems. SIS trains on it (SIS 5.1)."),
+    Source("simplerl_level3to5", "hkust-nlp/SimpleRL-Zoo-Data", "train",
+           data_files="simplelr_qwen_level3to5/train.parquet",
+           prompt=("question", "problem", "prompt.0.content"),
+           answer=("gt_answer", "answer", "reward_model.ground_truth"), kind="train",
+           note="MATH levels 3-5 (TETPO B); TETPO keeps prompts of at most 768 tokens: set "
+                "rollout.max_prompt_len: 768 in the run config."),
+    # ---- evaluation sets (PKL C.1 protocol; TETPO uses avg@16 on its five)
+    Source("math500", "HuggingFaceH4/MATH-500", "test", prompt=("problem",), answer=("answer",),
+           ids=("unique_id",), greedy=True, n_samples=1, expected_rows=500),
+    Source("aime24", "HuggingFaceH4/aime_2024", "train", prompt=("problem",), answer=("answer",),
+           ids=("id",), expected_rows=30),
+    Source("aime25", "math-ai/aime25", "test", prompt=("problem",), answer=("answer",),
+           ids=("id",), expected_rows=30),
+    Source("amc23", "math-ai/amc23", "test", prompt=("question", "problem"), answer=("answer",),
+           ids=("id",), expected_rows=40),
+    Source("amc24", "rawsh/2024_AMC12", "train", prompt=("problem", "question"),
+           answer=("answer",), ids=("id",),
+           note="The AMC 2024 copy TETPO B names; PKL does not name its source."),
+    Source("olympiadbench", "math-ai/olympiadbench", "test", prompt=("question", "problem"),
+           answer=("final_answer", "answer"), ids=("id",), greedy=True, n_samples=1,
+           expected_rows=675),
+    Source("minerva_math", "math-ai/minervamath", "test", prompt=("question", "problem"),
+           answer=("answer",), greedy=True, n_samples=1, expected_rows=272),
+    Source("gaokao2023en", "MARIO-Math-Reasoning/Gaokao2023-Math-En", "train",
+           prompt=("question", "problem"), answer=("answer",), greedy=True, n_samples=1,
+           expected_rows=385),
+]}
+
+# Known but not preparable: why, in one place (`megapkl data prepare` prints it).
+UNAVAILABLE = {
+    "dapo_math_pkl_9453": (
+        "the PKL paper trains on 9,453 prompts 'derived from FRPO's filtered DAPO-Math data'; the "
+        "paper does not state the filter, so the subset cannot be rebuilt from it. Prepare "
+        "dapo_math_17k (17,398 problems) and, if you obtain the FRPO prompt list, filter it with "
+        "--keep-ids FILE (one extra_info.index per line)."),
+}
+
+EVAL_SETS = tuple(n for n, s in SOURCES.items() if s.kind == "eval")
+
+
+def get_source(name: str) -> Source:
+    if name in UNAVAILABLE:
+        raise ValueError(f"dataset '{name}' cannot be prepared: {UNAVAILABLE[name]}")
+    try:
+        return SOURCES[name]
+    except KeyError:
+        raise ValueError(f"unknown dataset '{name}'; known: {', '.join(sorted(SOURCES))}") from None
