@@ -110,8 +110,10 @@ def _paper_benchmarks() -> list[Union[BenchmarkConfig, str]]:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation every `every` updates (0: off). A benchmark is a name or a mapping
-    {name, greedy, n_samples, path}; the resolved config always shows the full mappings."""
+    """Held-out evaluation every `every` updates (0: off; `at_start` also evaluates the initial
+    policy), run by `megapkl.eval`. A benchmark is a name (a prepared eval set, a synthetic task)
+    or a mapping {name, greedy, n_samples, path}; the resolved config shows the full mappings.
+    Greedy benchmarks report pass@1, sampled ones mean@n and pass@k for k = 1, 2, 4, ..., n."""
 
     every: int = field(default=0, metadata=rng(0))
     at_start: bool = False
@@ -122,7 +124,8 @@ class EvalConfig:
     top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))
     top_k: int = field(default=-1, metadata=rng(-1))
     max_response_len: Optional[int] = field(default=None, metadata=rng(1))  # unset: rollout's
-    data_dir: str = "data/eval"
+    data_dir: str = "data/eval"  # <name>.jsonl from `megapkl data prepare`
+    verify_timeout_s: int = field(default=5, metadata=rng(1))  # math-verify limit per sample
 
     def check(self, err) -> None:
         names = [b.name if isinstance(b, BenchmarkConfig) else b for b in self.benchmarks]

@@ -1,6 +1,135 @@
-"""`megapkl eval RUN_DIR_OR_CHECKPOINT [--benchmarks ...]` (filled in by runner.py)."""
+"""`megapkl eval RUN_DIR_OR_CHECKPOINT [--benchmarks ...] [KEY=VALUE ...]`.
+
+Loads the run's resolved config (RUN_DIR/config.yaml) and a complete megapkl checkpoint (the
+latest of the run, `--step N`, or the checkpoint directory given), rebuilds the policy in this one
+process (the distributed checkpoint reshards to TP = PP = 1), streams its weights to a rollout
+engine through `update_weights` exactly as training does, and evaluates. Results go to
+RUN_DIR/eval/step_XXXXXX.json and .samples.jsonl (or --out).
+"""
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+SINGLE_PROCESS = ("parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
+                  "parallel.expert=1", "parallel.data=1", "checkpoint.resume=false")
+
+
+def find_run(path: Path, step: Optional[int]) -> tuple[Path, Optional[Path]]:
+    """(run directory, checkpoint directory or None for a run without one)."""
+    path = path.resolve()
+    for run in [path, *path.parents][:3]:
+        if (run / "config.yaml").is_file():
+            break
+    else:
+        raise FileNotFoundError(f"{path}: neither a megapkl run directory nor a checkpoint inside "
+                                "one (no config.yaml here or two levels up)")
+    if path != run:  # a checkpoint directory was named
+        if not (path / "complete").exists():
+            raise FileNotFoundError(f"{path}: not a complete megapkl checkpoint (no 'complete' marker)")
+        return run, path
+    return run, None
+
+
+def resolve_checkpoint(cfg, run: Path, ckpt: Optional[Path], step: Optional[int]) -> Path:
+    from megapkl.train import checkpointing
+
+    if ckpt is not None:
+        return ckpt
+    if step is not None:
+        path = checkpointing.step_dir(cfg, step)
+        if not (path / "complete").exists():
+            raise FileNotFoundError(f"--step {step}: no complete checkpoint at {path}")
+        return path
+    latest = checkpointing.latest(cfg)
+    if latest is None:
+        raise FileNotFoundError(f"{run}: no complete checkpoint in {cfg.checkpoint.dir}")
+    return latest
+
+
+def policy_weights(cfg, ckpt: Path):
+    """(spec, iterator of (HF name, tensor)) of the checkpoint's policy, in this process."""
+    from megapkl.models.checkpoint import load_checkpoint
+    from megapkl.models.hf import export_hf_weights
+    from megapkl.models.provider import build_model_chunks, options_from_config
+    from megapkl.models.spec import spec_from_model_config
+    from megapkl.train.loop import init_groups
+
+    groups = init_groups(cfg)
+    spec = spec_from_model_config(cfg.model)
+    chunks = build_model_chunks(spec, options_from_config(cfg.model, cfg.parallel))
+    load_checkpoint(ckpt / "model", chunks, load_rng=False)
+    return spec, export_hf_weights(chunks, spec=spec, groups=groups)
+
+
+def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[str] = (),
+             step: Optional[int] = None, out: Optional[str] = None) -> dict:
+    import json
+
+    from megapkl.config import load_config
+    from megapkl.eval.hook import build_engine, eval_tokenizer
+    from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
+                                     summarize_records, write_results)
+
+    run, ckpt = find_run(Path(target), step)
+    cfg = load_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS])
+    ckpt = resolve_checkpoint(cfg, run, ckpt, step)
+    version = json.loads((ckpt / "complete").read_text())["step"]
+    tokenizer = eval_tokenizer(cfg)
+    benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
+    spec, weights = policy_weights(cfg, ckpt)
+    engine = build_engine(cfg, spec, tokenizer)
+    scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
+    try:
+        engine.update_weights(weights, version=version)
+        records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version, seed=cfg.seed,
+                           scoring=scoring)
+    finally:
+        scoring.close()
+        engine.close()
+    summary = {"step": version, "checkpoint": str(ckpt), **summarize_records(benches, records),
+               "settings": settings(cfg.eval, cfg.rollout, benches)}
+    paths = write_results(out or run / "eval", version, summary, records)
+    summary["files"] = [str(p) for p in paths]
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"eval of {summary['checkpoint']} (update {summary['step']})"]
+    for name, m in summary["benchmarks"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items()
+                          if k.startswith(("pass@", "mean@")) and isinstance(v, float))
+        lines.append(f"  {name:16s} {m['num_prompts']:5d} prompts x {m['num_samples'] // m['num_prompts']}"
+                     f": {shown} ({m['num_correct']}/{m['num_samples']} correct"
+                     + (f", {m['errors']} scoring errors" if m["errors"] else "") + ")")
+    mic = summary["micro_average"]
+    lines.append(f"  micro average    {mic['accuracy']:.4f} ({mic['num_correct']}/{mic['num_samples']})")
+    lines.append("  files: " + ", ".join(summary["files"]))
+    return "\n".join(lines)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from megapkl.eval.runner import EvalError
+
+    names = [b for b in args.benchmarks or () if "=" not in b]
+    overrides = [*args.overrides, *(b for b in args.benchmarks or () if "=" in b)]
+    try:
+        summary = run_eval(args.target, names, overrides, args.step, args.out)
+    except (EvalError, FileNotFoundError) as e:
+        print(f"megapkl: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
 
 
 def add_subcommands(sub) -> None:
-    pass
+    ev = sub.add_parser("eval", help="evaluate a run's checkpoint on benchmarks")
+    ev.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
+    ev.add_argument("--benchmarks", nargs="+", metavar="NAME",
+                    help="benchmark names (default: the run's eval.benchmarks)")
+    ev.add_argument("--step", type=int, help="the checkpoint after this many updates (default: latest)")
+    ev.add_argument("--out", help="output directory (default: RUN_DIR/eval)")
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. eval.n_samples=4")
+    ev.set_defaults(func=cmd_eval)

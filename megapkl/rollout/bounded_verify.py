@@ -64,7 +64,10 @@ def _serve(conn, timeout_s: Optional[int]) -> None:
     """Worker loop: (response, gold, require_boxed) in, VerifyResult fields out; None stops."""
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # the parent logs failures
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):  # the caller is gone
+            return
         if job is None:
             return
         r = score_text(job[0], job[1], job[2], timeout_s)

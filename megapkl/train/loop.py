@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.eval.hook import Evaluator
 from megapkl.parallel.batching import Response
 from megapkl.train import checkpointing as ckpt
 from megapkl.train.learner import Learner
@@ -114,6 +115,7 @@ class Trainer:
                                     tensorboard=cfg.logging.tensorboard,
                                     progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
                                     resume=self.start > 0)
+        self.evaluator = Evaluator.create(self)  # None unless eval.every / eval.at_start
 
     # ------------------------------------------------------------------ the loop
 
@@ -134,6 +136,7 @@ class Trainer:
             t2 = time.time()
             self.check_finite(u, metrics, applied)
             metrics.update(self.rollout_metrics(plan, minibatch, t2 - t1, t1 - t0))
+            metrics.update(self.evaluator.after_update(u) if self.evaluator else {})
             self.logger.log(u, metrics)
             last = metrics
             saved = self.checkpoint_due(u)
@@ -147,6 +150,8 @@ class Trainer:
                     ckpt.save(self, u + 1)
                 self.ctx.requeue()  # never returns
         self.logger.close()
+        if self.evaluator:
+            self.evaluator.close()
         return last
 
     # ------------------------------------------------------------------ steps of an update
