@@ -23,13 +23,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from megapkl.data.registry import EVAL_SETS
 
     names = list(EVAL_SETS) if args.names == ["eval"] else args.names
-    if args.from_file and len(names) != 1:
-        print("megapkl: error: --from-file takes one dataset name", file=sys.stderr)
+    if (args.from_file or args.out_name) and len(names) != 1:
+        print("megapkl: error: --from-file and --as take one dataset name", file=sys.stderr)
         return 2
     for name in names:
         try:
             m = prepare(name, args.out, from_file=args.from_file, revision=args.revision,
-                        keep_ids_file=args.keep_ids)
+                        keep_ids_file=args.keep_ids, out_name=args.out_name)
         except (PrepareError, ValueError, FileNotFoundError, ImportError) as e:
             print(f"megapkl: error: {name}: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
@@ -54,4 +54,5 @@ def add_subcommands(sub) -> None:
                       "layout instead of downloading")
     prep.add_argument("--revision", help="Hub revision (commit, tag or branch) to download")
     prep.add_argument("--keep-ids", help="keep only rows whose id is listed in this file")
+    prep.add_argument("--as", dest="out_name", help="output file stem (default: the dataset name)")
     prep.set_defaults(func=cmd_data_prepare)

@@ -171,9 +171,12 @@ def sha256_file(path: Path) -> str:
 
 
 def prepare(name: str, out_dir: str, from_file: Optional[str] = None,
-            revision: Optional[str] = None, keep_ids_file: Optional[str] = None) -> dict:
-    """Convert one dataset; returns the manifest (also written beside the JSONL)."""
+            revision: Optional[str] = None, keep_ids_file: Optional[str] = None,
+            out_name: Optional[str] = None) -> dict:
+    """Convert one dataset into OUT/<out_name or name>.jsonl; returns the manifest (also
+    written beside the JSONL)."""
     src = get_source(name)
+    stem = out_name or name
     keep = None
     if keep_ids_file:
         keep = {line.strip() for line in Path(keep_ids_file).read_text().splitlines() if line.strip()}
@@ -189,19 +192,20 @@ def prepare(name: str, out_dir: str, from_file: Optional[str] = None,
         raise PrepareError(f"{where}: no usable rows ({conv.rows_read} read)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data = out / f"{name}.jsonl"
+    data = out / f"{stem}.jsonl"
     tmp = data.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in conv.records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     tmp.replace(data)
-    manifest = {"name": name, "kind": src.kind, "source": {"hf_id": src.hf_id, "config": src.config,
+    manifest = {"name": stem, "dataset": name, "kind": src.kind, "source": {"hf_id": src.hf_id, "config": src.config,
                 "data_files": src.data_files, "split": src.split, **origin},
                 "revision": origin.get("revision"), "rows_read": conv.rows_read,
                 "rows": len(conv.records), "duplicates_dropped": conv.duplicates,
                 "duplicates_with_other_answer": conv.conflicting_answers,
-                "not_in_keep_ids": conv.not_kept, "file": data.name, "sha256": sha256_file(data),
+                "not_in_keep_ids": conv.not_kept,
+                "keep_ids_file": keep_ids_file, "file": data.name, "sha256": sha256_file(data),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "expected_rows": src.expected_rows, "note": src.note}
-    (out / f"{name}.manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / f"{stem}.manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

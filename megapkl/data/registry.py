@@ -70,7 +70,7 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
            expected_rows=17398,
            note="The Hub copy repeats each problem ~100 times (1.79M rows); deduplication keeps "
                 "17,398 problems. SIS trains on it (SIS 5.1)."),
-    Source("simplerl_level3to5", "hkust-nlp/SimpleRL-Zoo-Data", "train",
+    Source("simplelr_qwen_level3to5", "hkust-nlp/SimpleRL-Zoo-Data", "train",
            data_files="simplelr_qwen_level3to5/train.parquet",
            prompt=("question", "problem", "prompt.0.content"),
            answer=("gt_answer", "answer", "reward_model.ground_truth"), kind="train",
@@ -100,11 +100,12 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
 
 # Known but not preparable: why, in one place (`megapkl data prepare` prints it).
 UNAVAILABLE = {
-    "dapo_math_pkl_9453": (
+    "dapo_math_frpo_9453": (
         "the PKL paper trains on 9,453 prompts 'derived from FRPO's filtered DAPO-Math data'; the "
         "paper does not state the filter, so the subset cannot be rebuilt from it. Prepare "
         "dapo_math_17k (17,398 problems) and, if you obtain the FRPO prompt list, filter it with "
-        "--keep-ids FILE (one extra_info.index per line)."),
+        "--keep-ids FILE (one extra_info.index per line) --as dapo_math_frpo_9453, the file the "
+        "controlled-staleness configs read."),
 }
 
 EVAL_SETS = tuple(n for n, s in SOURCES.items() if s.kind == "eval")

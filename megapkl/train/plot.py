@@ -2,7 +2,9 @@
 
 One PNG per metric (accuracy, reward, entropy, grad norm, IS statistics, ...), every run a line,
 raw values faint behind the smoothed curve (EMA alpha 0.1 by default, SPEC 11), plus one
-`overview.png` grid with the main panels.
+`overview.png` grid with the main panels. Evaluation results (`eval/<benchmark>/<metric>` from
+in-training evaluation) are drawn against the number of updates applied (`eval/version`), one PNG
+each, plus `eval_overview.png`.
 """
 from __future__ import annotations
 
@@ -30,13 +32,21 @@ def ema(values: Sequence[float], alpha: float) -> list[float]:
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    x_key = "eval/version" if key.startswith("eval/") else "step"
     steps, vals = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)):
-            steps.append(int(r["step"]))
+        if isinstance(v, (int, float)) and x_key in r:
+            steps.append(int(r[x_key]))
             vals.append(float(v))
     return steps, vals
+
+
+def eval_metrics(runs: list[tuple[str, list[dict]]]) -> list[str]:
+    """The eval/<benchmark>/<metric> keys present in any run (micro average first)."""
+    keys = {k for _, rows in runs for r in rows for k in r
+            if k.startswith("eval/") and k != "eval/version" and not k.endswith("/errors")}
+    return sorted(keys, key=lambda k: (not k.startswith("eval/micro_avg"), k))
 
 
 def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: float = 0.1,
@@ -52,8 +62,9 @@ def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: flo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     present = [m for m in metrics if any(_series(rows, m)[0] for _, rows in runs)]
+    evals = eval_metrics(runs)
     written = []
-    for m in present:
+    for m in present + evals:
         fig, ax = plt.subplots(figsize=(6, 4))
         _draw(ax, runs, m, alpha)
         path = out / (m.replace("/", "_") + ".png")
@@ -61,21 +72,32 @@ def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: flo
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    if present:
-        main = present[:6]
-        cols = 3 if len(main) > 2 else len(main)
-        rows_n = math.ceil(len(main) / cols)
-        fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n), squeeze=False)
-        for ax, m in zip(axes.flat, main):
-            _draw(ax, runs, m, alpha)
-        for ax in list(axes.flat)[len(main):]:
-            ax.axis("off")
-        fig.tight_layout()
-        path = out / "overview.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+    for name, main in (("overview.png", present[:6]), ("eval_overview.png", _eval_main(evals))):
+        if main:
+            written.append(_grid(runs, main, alpha, out / name))
     return written
+
+
+def _eval_main(evals: list[str]) -> list[str]:
+    """Per benchmark its headline number (greedy pass@1 or mean@k), and the micro average."""
+    heads = [k for k in evals if k.rsplit("/", 1)[-1].startswith(("pass@1_greedy", "mean@"))]
+    return [k for k in evals if k.startswith("eval/micro_avg")] + heads[:8]
+
+
+def _grid(runs, main: list[str], alpha: float, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    cols = 3 if len(main) > 2 else len(main)
+    rows_n = math.ceil(len(main) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n), squeeze=False)
+    for ax, m in zip(axes.flat, main):
+        _draw(ax, runs, m, alpha)
+    for ax in list(axes.flat)[len(main):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _draw(ax, runs, metric: str, alpha: float) -> None:
@@ -87,6 +109,6 @@ def _draw(ax, runs, metric: str, alpha: float) -> None:
         ax.plot(steps, vals, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, ema(vals, alpha), color=color, linewidth=1.8, label=label)
     ax.set_title(f"{metric} (EMA {alpha})")
-    ax.set_xlabel("optimizer update")
+    ax.set_xlabel("updates applied" if metric.startswith("eval/") else "optimizer update")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

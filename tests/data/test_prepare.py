@@ -22,7 +22,7 @@ def fixture(name):
 # (name, problems after dedup, duplicates, {id or prompt start: answer})
 EXPECTED = {
     "dapo_math_17k": (3, 6, {"fixture-2-0": "\\frac{7}{8}", "fixture-0-0": "12"}),
-    "simplerl_level3to5": (2, 1, {"simplerl_level3to5-2": "3"}),
+    "simplelr_qwen_level3to5": (2, 1, {"simplelr_qwen_level3to5-2": "3"}),
     "math500": (2, 1, {"test/algebra/9002.json": "5\\sqrt{2}"}),
     "aime24": (2, 0, {"61": "006"}),
     "aime25": (2, 0, {"0": "49"}),
@@ -82,15 +82,18 @@ def test_bad_rows_name_file_and_row(tmp_path):
 def test_keep_ids_filters(tmp_path):
     keep = tmp_path / "keep.txt"
     keep.write_text("fixture-1-0\nfixture-1-1\n")
-    m = prepare("dapo_math_17k", str(tmp_path), from_file=fixture("dapo_math_17k"), keep_ids_file=str(keep))
+    m = prepare("dapo_math_17k", str(tmp_path), from_file=fixture("dapo_math_17k"), keep_ids_file=str(keep),
+                out_name="dapo_math_frpo_9453")
     assert m["rows"] == 1 and m["not_in_keep_ids"] == 7 and m["duplicates_dropped"] == 1
+    assert (tmp_path / "dapo_math_frpo_9453.jsonl").read_text().count("\n") == 1
+    assert m["name"] == "dapo_math_frpo_9453" and m["dataset"] == "dapo_math_17k"
 
 
 def test_cli_prepare_and_unavailable(tmp_path, capsys):
     assert main(["data", "prepare", "aime25", "--out", str(tmp_path), "--from-file", fixture("aime25")]) == 0
     assert "aime25: 2 problems from 2 rows" in capsys.readouterr().out
-    assert main(["data", "prepare", "dapo_math_pkl_9453", "--out", str(tmp_path)]) == 2
+    assert main(["data", "prepare", "dapo_math_frpo_9453", "--out", str(tmp_path)]) == 2
     assert "cannot be prepared" in capsys.readouterr().err
     assert main(["data", "prepare", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown dataset 'nope'" in capsys.readouterr().err
-    assert main(["data", "list"]) == 0 and "dapo_math_pkl_9453" in UNAVAILABLE
+    assert main(["data", "list"]) == 0 and "dapo_math_frpo_9453" in UNAVAILABLE

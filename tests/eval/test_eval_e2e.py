@@ -78,3 +78,13 @@ def test_megapkl_eval_errors_are_one_line(tmp_path):
     from megapkl.cli import main
 
     assert main(["eval", str(tmp_path)]) == 2
+
+
+def test_plot_draws_eval_curves(demo_run, tmp_path):
+    from megapkl.train.plot import _series, plot_runs
+
+    files = {p.name for p in plot_runs([demo_run], tmp_path / "plots")}
+    assert {"eval_next_mod10_mean@4.png", "eval_micro_avg_accuracy.png", "eval_overview.png",
+            "overview.png"} <= files
+    steps, _ = _series(read_metrics(demo_run), "eval/next_mod10/mean@4")
+    assert steps == [0, 2, 4]  # drawn at the number of updates applied
