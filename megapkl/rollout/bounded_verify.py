@@ -3,7 +3,7 @@
 math-verify bounds its own parsing and comparison with SIGALRM, which works only in a process's
 main thread; in any other thread it runs unbounded, and a pathological answer such as
 `9^{9^{9^{9}}}` then blocks the caller for good. `BoundedVerifier` runs the scoring in a
-dedicated worker process (spawned, so it holds no copy of the trainer's threads or locks) whose
+dedicated worker process (a fresh interpreter: no copy of the trainer's threads or locks) whose
 main thread keeps math-verify's own timeout, and the caller waits at most `kill_after_s` for each
 answer: a worker that does not answer in time (stuck in code signals cannot interrupt) is killed
 and restarted, and the sample counts as wrong. Every timeout and kill is logged with the sample.
@@ -13,8 +13,12 @@ and restarted, and the sample counts as wrong. Every timeout and kill is logged 
 """
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
+import os
+import select
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,23 +64,22 @@ def score_text(response: str, gold: str, require_boxed: bool = True,
         return VerifyResult(False, boxed, "timeout" if "Timeout" in name else f"{name}: {e}")
 
 
-def _serve(conn, timeout_s: Optional[int]) -> None:
-    """Worker loop: (response, gold, require_boxed) in, VerifyResult fields out; None stops."""
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # the parent logs failures
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):  # the caller is gone
-            return
-        if job is None:
-            return
-        r = score_text(job[0], job[1], job[2], timeout_s)
-        conn.send((r.correct, r.extracted, r.error))
+def _serve(timeout_s: Optional[int]) -> None:
+    """Worker loop on stdin/stdout, one JSON line each way: [response, gold, require_boxed] in,
+    [correct, extracted, error] out; end of input stops it."""
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # the caller logs failures
+    for line in sys.stdin:
+        response, gold, require_boxed = json.loads(line)
+        r = score_text(response, gold, require_boxed, timeout_s)
+        sys.stdout.write(json.dumps([r.correct, r.extracted, r.error]) + "\n")
+        sys.stdout.flush()
 
 
 class BoundedVerifier:
     """Scores (response, gold) pairs in a worker process; see the module docstring.
 
+    The worker is a plain `python -m megapkl.rollout.bounded_verify` subprocess talking JSON lines
+    over pipes (not multiprocessing, which would re-run the caller's main script on start).
     timeout_s: math-verify's own limit inside the worker (None: off). kill_after_s: the caller's
     hard limit per sample (default 2 x timeout_s + 5 s, which leaves math-verify time to stop
     itself first)."""
@@ -88,63 +91,73 @@ class BoundedVerifier:
         self.require_boxed = require_boxed
         self.num_timeouts = 0
         self.num_killed = 0
-        self._proc = None
-        self._conn = None
+        self._proc: Optional[subprocess.Popen] = None
         self._warm = False  # the first answer of a worker also waits for its start-up
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.timeout_s), daemon=True,
-                                 name="megapkl-verify")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        cmd = [sys.executable, "-m", "megapkl.rollout.bounded_verify", str(self.timeout_s or 0)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=env, text=True, bufsize=1)
         self._warm = False
 
     def _stop(self, kill: bool) -> None:
-        if self._proc is None:
+        proc, self._proc = self._proc, None
+        if proc is None:
             return
         if kill:
-            self._proc.kill()
+            proc.kill()
         else:
             try:
-                self._conn.send(None)
-            except (BrokenPipeError, OSError):
+                proc.stdin.close()
+            except OSError:
                 pass
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-        self._conn.close()
-        self._proc = self._conn = None
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def _ask(self, response: str, gold: str) -> Optional[str]:
+        """The worker's answer line, or None when it gave none within the limit."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._stop(kill=True)
+            self._start()
+        try:
+            self._proc.stdin.write(json.dumps([response, gold, self.require_boxed]) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return ""
+        wait = self.kill_after_s + (0.0 if self._warm else STARTUP_GRACE_S)
+        ready, _, _ = select.select([self._proc.stdout], [], [], wait)
+        return self._proc.stdout.readline() if ready else None
 
     def score(self, response: str, gold: str, where: str = "") -> VerifyResult:
         """The verdict for one response; never raises for a bad or slow answer."""
-        if self._proc is None or not self._proc.is_alive():
-            self._stop(kill=True)
-            self._start()
-        self._conn.send((response, gold, self.require_boxed))
-        startup = 0.0 if self._warm else STARTUP_GRACE_S
-        if not self._conn.poll(self.kill_after_s + startup):
+        line = self._ask(response, gold)
+        if line is None:
             self.num_killed += 1
             self._stop(kill=True)
             log.warning("math-verify: no verdict within %.0f s for %s (answer %r, gold %r): worker "
                         "killed, counted wrong", self.kill_after_s, where or "a sample",
                         _clip(last_boxed(response) or response), gold)
             return VerifyResult(False, last_boxed(response), f"killed after {self.kill_after_s:g} s")
-        try:
-            correct, extracted, error = self._conn.recv()
-        except EOFError:  # the worker died (e.g. out of memory): count wrong, restart next time
+        if not line:  # the worker died (e.g. out of memory): count wrong, restart next time
             self._stop(kill=True)
             log.warning("math-verify worker died while scoring %s; counted wrong", where or "a sample")
             return VerifyResult(False, last_boxed(response), "worker died")
         self._warm = True
+        correct, extracted, error = json.loads(line)
         if error == "timeout":
             self.num_timeouts += 1
             log.warning("math-verify: timed out after %s s on %s (answer %r, gold %r); counted wrong",
                         self.timeout_s, where or "a sample", _clip(extracted or response), gold)
-        return VerifyResult(correct, extracted, error)
+        return VerifyResult(bool(correct), extracted, error)
 
     def close(self) -> None:
         self._stop(kill=False)
@@ -164,3 +177,7 @@ class BoundedVerifier:
 
 def _clip(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[:n] + "..."
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]) or None)
