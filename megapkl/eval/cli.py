@@ -117,7 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(b for b in args.benchmarks or () if "=" in b)]
     try:
         summary = run_eval(args.target, names, overrides, args.step, args.out)
-    except (EvalError, FileNotFoundError) as e:
+    except (EvalError, FileNotFoundError, ValueError) as e:
         print(f"megapkl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(format_summary(summary))
