@@ -33,20 +33,28 @@ def find_run(path: Path, step: Optional[int]) -> tuple[Path, Optional[Path]]:
     return run, None
 
 
-def resolve_checkpoint(cfg, run: Path, ckpt: Optional[Path], step: Optional[int]) -> Path:
-    from megapkl.train import checkpointing
+def checkpoint_root(cfg, run: Path) -> Path:
+    """The run's checkpoint folder: checkpoint.dir, or RUN_DIR/checkpoints when that relative
+    path does not resolve from here (the run was started in another directory)."""
+    root = Path(cfg.checkpoint.dir)
+    if not root.is_dir() and (run / "checkpoints").is_dir():
+        return run / "checkpoints"
+    return root
 
+
+def resolve_checkpoint(cfg, run: Path, ckpt: Optional[Path], step: Optional[int]) -> Path:
     if ckpt is not None:
         return ckpt
+    root = checkpoint_root(cfg, run)
     if step is not None:
-        path = checkpointing.step_dir(cfg, step)
+        path = root / f"step_{step:08d}"
         if not (path / "complete").exists():
             raise FileNotFoundError(f"--step {step}: no complete checkpoint at {path}")
         return path
-    latest = checkpointing.latest(cfg)
-    if latest is None:
-        raise FileNotFoundError(f"{run}: no complete checkpoint in {cfg.checkpoint.dir}")
-    return latest
+    done = sorted(p for p in root.glob("step_*") if (p / "complete").exists()) if root.is_dir() else []
+    if not done:
+        raise FileNotFoundError(f"{run}: no complete checkpoint in {root}")
+    return done[-1]
 
 
 def policy_weights(cfg, ckpt: Path):
