@@ -198,8 +198,9 @@ def prepare(name: str, out_dir: str, from_file: Optional[str] = None,
         for r in conv.records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     tmp.replace(data)
-    manifest = {"name": stem, "dataset": name, "kind": src.kind, "source": {"hf_id": src.hf_id, "config": src.config,
-                "data_files": src.data_files, "split": src.split, **origin},
+    source = {"hf_id": src.hf_id, "config": src.config, "data_files": src.data_files,
+              "split": src.split, **origin}
+    manifest = {"name": stem, "dataset": name, "kind": src.kind, "source": source,
                 "revision": origin.get("revision"), "rows_read": conv.rows_read,
                 "rows": len(conv.records), "duplicates_dropped": conv.duplicates,
                 "duplicates_with_other_answer": conv.conflicting_answers,

@@ -109,7 +109,8 @@ def format_summary(summary: dict) -> str:
     for name, m in summary["benchmarks"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items()
                           if k.startswith(("pass@", "mean@")) and isinstance(v, float))
-        lines.append(f"  {name:16s} {m['num_prompts']:5d} prompts x {m['num_samples'] // m['num_prompts']}"
+        per = m["num_samples"] // m["num_prompts"]
+        lines.append(f"  {name:16s} {m['num_prompts']:5d} prompts x {per}"
                      f": {shown} ({m['num_correct']}/{m['num_samples']} correct"
                      + (f", {m['errors']} scoring errors" if m["errors"] else "") + ")")
     mic = summary["micro_average"]

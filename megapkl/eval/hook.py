@@ -75,7 +75,8 @@ class Evaluator:
         return out
 
     def run(self, version: int) -> dict[str, float]:
-        from megapkl.eval.runner import evaluate, flat_metrics, settings, summarize_records, write_results
+        from megapkl.eval.runner import (evaluate, flat_metrics, settings, summarize_records,
+                                         write_results)
 
         t = self.t
         stage = t.rollouts

@@ -210,7 +210,8 @@ def summarize_records(benchmarks: Sequence[Benchmark], records: Sequence[SampleR
                 grid[r.index].append(r.correct)
         missing = [b.ids[i] for i, g in enumerate(grid) if len(g) != b.n_samples]
         if missing:
-            raise EvalError(f"benchmark '{b.name}': prompts {missing[:5]} have a wrong number of samples")
+            raise EvalError(f"benchmark '{b.name}': prompts {missing[:5]} have a wrong number of "
+                            "samples")
         ks = [] if b.greedy else default_ks(b.n_samples)
         per[b.name] = summarize(grid, ks=ks, greedy=b.greedy)
         per[b.name]["errors"] = sum(1 for r in records if r.benchmark == b.name and r.error)
