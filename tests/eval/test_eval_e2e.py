@@ -26,13 +26,15 @@ def megapkl(*args):
     return r.stdout
 
 
+TRAIN = [f"train.steps={STEPS}", "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=4",
+         "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("evalrun") / "demo"
-    megapkl("train", demo_config_path(), f"run_dir={run}", f"train.steps={STEPS}",
-            "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=4",
-            "logging.progress_bar=false", "logging.tensorboard=false",
-            "eval.every=2", "eval.at_start=true", BENCHMARKS)
+    megapkl("train", demo_config_path(), f"run_dir={run}", *TRAIN, "eval.every=2",
+            "eval.at_start=true", BENCHMARKS)
     return run
 
 
@@ -67,6 +69,15 @@ def test_in_training_eval_files_and_metrics(demo_run):
                 assert row[f"eval/{bench}/{key}"] == pytest.approx(ref[key])
         micro = (greedy["num_correct"] + sampled["num_correct"]) / 410
         assert row["eval/micro_avg/accuracy"] == pytest.approx(micro)
+
+
+def test_evaluation_does_not_change_training(demo_run, tmp_path):
+    plain = tmp_path / "plain"
+    megapkl("train", demo_config_path(), f"run_dir={plain}", *TRAIN)
+    strip = lambda rows: [{k: v for k, v in r.items()  # noqa: E731
+                           if not k.startswith(("eval/", "time", "tokens_per_s"))} for r in rows]
+    with_eval, without = strip(read_metrics(demo_run)), strip(read_metrics(plain))
+    assert len(with_eval) == STEPS and with_eval == without
 
 
 def test_megapkl_eval_of_the_checkpoint_matches_in_training_eval(demo_run, tmp_path):
