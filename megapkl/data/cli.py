@@ -11,10 +11,10 @@ def cmd_data_list(args: argparse.Namespace) -> int:
     for s in SOURCES.values():
         proto = "greedy pass@1" if s.greedy else f"mean@{s.n_samples}"
         extra = f" ({s.data_files})" if s.data_files else ""
-        print(f"{s.name:20s} {s.kind:5s} {s.hf_id}{extra} [{s.split}]"
+        print(f"{s.name:24s} {s.kind:5s} {s.hf_id}{extra} [{s.split}]"
               + (f"  eval: {proto}" if s.kind == "eval" else ""))
     for name, why in UNAVAILABLE.items():
-        print(f"{name:20s} n/a   {why}")
+        print(f"{name:24s} n/a   {why}")
     return 0
 
 
