@@ -73,7 +73,8 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
     Source("simplelr_qwen_level3to5", "hkust-nlp/SimpleRL-Zoo-Data", "train",
            data_files="simplelr_qwen_level3to5/train.parquet",
            prompt=("question", "problem", "prompt.0.content"),
-           answer=("gt_answer", "answer", "reward_model.ground_truth"), kind="train",
+           answer=("gt_answer", "ground_truth_answer", "target", "answer",
+                   "reward_model.ground_truth"), kind="train",
            note="MATH levels 3-5 (TETPO B); TETPO keeps prompts of at most 768 tokens: set "
                 "rollout.max_prompt_len: 768 in the run config."),
     # ---- evaluation sets (PKL C.1 protocol; TETPO uses avg@16 on its five)
