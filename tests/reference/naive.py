@@ -29,11 +29,12 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "gspo", "tetpo",
-              "gepo", "m2po")
-TOKEN_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po")
+              "gepo", "m2po", "dppo_tv", "clip_cov")
+TOKEN_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po",
+                    "dppo_tv", "clip_cov")
 SEQ_OBJECTIVES = ("gspo", "tetpo", "gepo")
 CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
-CLIP_OBJECTIVES = ("grpo", "dapo", "gspo", "tetpo", "gepo", "cispo")
+CLIP_OBJECTIVES = ("grpo", "dapo", "gspo", "tetpo", "gepo", "cispo", "dppo_tv", "clip_cov")
 
 DEFAULT_AGG = {"gspo": "seq_mean_token_mean", "gepo": "seq_mean_token_mean", "tetpo": "seq_mean"}
 DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
@@ -86,7 +87,7 @@ def resolve_cfg(cfg: Mapping[str, Any]) -> dict:
         "name": "proximal_kl", "aggregation": None, "beta": 0.30, "horizon": "full",
         "cost_clip": 0.05, "tail": "none", "eps_clip_low": None, "eps_clip_high": None,
         "is_clip": (0.0, 5.0), "kappa": 0.85, "bisection_steps": 24, "m2_threshold": 0.04,
-        "sis": {"enabled": False, "top_k": 10}, "kl_init_coef": 0.0, "entropy_coef": 0.0, "seed": 0,
+        "tv_delta": 0.15, "cov_omega": 1.0, "sis": {"enabled": False, "top_k": 10}, "kl_init_coef": 0.0, "entropy_coef": 0.0, "seed": 0,
         "norm_constant": None,
     }
     for k, v in dict(cfg).items():
@@ -299,6 +300,29 @@ def naive_m2po_mask(delta, tau: float) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Table 2 masks of the SIS paper (eq. 37, 38)
+# --------------------------------------------------------------------------------------------------
+def naive_tv(topk_logp_row, topk_logp_behav_row) -> float:
+    """Eq. 37 on the behavior top-K ids, the rest of the vocabulary merged into one extra bin."""
+    pi = [math.exp(float(x)) for x in topk_logp_row]
+    mu = [math.exp(float(x)) for x in topk_logp_behav_row]
+    dist = 0.0
+    for a, b in zip(pi, mu):
+        dist += abs(a - b)
+    pi_rest, mu_rest = 1.0 - sum(pi), 1.0 - sum(mu)
+    dist += abs(pi_rest - mu_rest)
+    return dist / 2.0
+
+
+def naive_cov(logp, adv_tok) -> list[float]:
+    """Eq. 38: (log pi - batch mean log pi)(A - batch mean A), means over all tokens."""
+    n = len(logp)
+    mean_lp = sum(logp) / n
+    mean_a = sum(adv_tok) / n
+    return [(logp[t] - mean_lp) * (adv_tok[t] - mean_a) for t in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
 # SIS (SPEC 4.3)
 # --------------------------------------------------------------------------------------------------
 def naive_sis_accept(logp, logp_behav, token_ids, topk_ids, topk_logp_behav, topk_logp, u) -> list[int]:
@@ -393,8 +417,19 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
     clipped = [0] * N
     metrics: dict[str, float] = {}
 
-    if name in ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po"):
+    if name in TOKEN_OBJECTIVES:
         m2mask = naive_m2po_mask(delta, float(cfg["m2_threshold"])) if name == "m2po" else None
+        keep = [1.0] * N   # Table 2 masks (1 = the token keeps its gradient)
+        if name == "dppo_tv":
+            tkp, tkb = _list(batch["topk_logp"]), _list(batch["topk_logp_behav"])
+            tvs = [naive_tv(tkp[t], tkb[t]) for t in range(N)]
+            keep = [1.0 if tvs[t] <= float(cfg["tv_delta"]) else 0.0 for t in range(N)]
+            metrics["dppo/tv"] = sum(tvs) / N
+            metrics["dppo/mask_frac"] = sum(1 for k in keep if k == 0.0) / N
+        if name == "clip_cov":
+            covs = naive_cov(logp, adv_tok)
+            keep = [1.0 if covs[t] <= float(cfg["cov_omega"]) else 0.0 for t in range(N)]
+            metrics["clip_cov/mask_frac"] = sum(1 for k in keep if k == 0.0) / N
         gm = [0.0] * M
         if name == "seq_is":
             for m, toks in enumerate(resp):
@@ -408,14 +443,14 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                 if name == "pg":
                     wt = 1.0 if z[t] else w[t]
                     c, val = wt * a, wt * a
-                elif name in ("grpo", "dapo"):
+                elif name in ("grpo", "dapo", "dppo_tv", "clip_cov"):
                     if z[t]:
                         c, val = a, a
                     else:
                         act = active(rho[t], a, lo, hi)
                         clipped[t] = 0 if act else 1
-                        c = w[t] * a * (1.0 if act else 0.0)
-                        val = rfac[t] * clipped_term(rho[t], a, lo, hi)
+                        c = keep[t] * w[t] * a * (1.0 if act else 0.0)
+                        val = keep[t] * rfac[t] * clipped_term(rho[t], a, lo, hi)
                 elif name == "cispo":
                     clo, chi = float(cfg["is_clip"][0]), float(cfg["is_clip"][1])
                     if z[t]:
@@ -583,6 +618,10 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
                   "tetpo/ess_frac_before", "tetpo/ess_frac_after"}
     if name == "m2po":
         names.add("m2po/mask_frac")
+    if name == "dppo_tv":
+        names |= {"dppo/mask_frac", "dppo/tv"}
+    if name == "clip_cov":
+        names.add("clip_cov/mask_frac")
     if has_entropy:
         names.add("entropy")
     return names
