@@ -151,7 +151,6 @@ class LoggingConfig:
     every: int = field(default=1, metadata=rng(1))
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
     progress_bar: bool = True
-    level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 @dataclass
@@ -163,7 +162,6 @@ class CheckpointConfig:
     every: int = field(default=100, metadata=rng(0))
     keep: Optional[int] = field(default=3, metadata=rng(1))
     resume: Union[bool, str] = False
-    save_optimizer: bool = True
     export_hf: bool = False  # also write a HF-format copy of the final weights
 
     def check(self, err) -> None:

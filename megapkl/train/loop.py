@@ -157,7 +157,7 @@ class Trainer:
 
     def keep_weights(self, u: int) -> None:
         """Export the learner's version u into the rollout pool if a batch may be generated from it."""
-        if u == 0 and self.cfg.objective.kl_init_coef > 0:
+        if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
             self.learner.snapshots.save("init", meta=0)
         if may_generate_from(self.schedule, u):
             self.rollouts.remember(u, self.learner.export())

@@ -39,6 +39,17 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, vals
 
 
+def run_ema_alpha(run_dir: str | Path, default: float = 0.1) -> float:
+    """The EMA alpha a run's resolved config asks for (`logging.ema_alpha`), else `default`."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        return default
+    logging = (yaml.safe_load(path.read_text()) or {}).get("logging") or {}
+    return float(logging.get("ema_alpha", default))
+
+
 def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: float = 0.1,
               metrics: Sequence[str] = DEFAULT_METRICS, labels: Sequence[str] | None = None) -> list[Path]:
     """Write one PNG per metric present in any run, and overview.png; returns the files."""
