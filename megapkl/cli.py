@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="EMA alpha (default: the first run's logging.ema_alpha, else 0.1)")
     plot.set_defaults(func=cmd_plot)
 
+    from megapkl.train.diagnose import add_subcommand as add_diagnose  # diagnose ...
+
+    add_diagnose(sub)
     from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
 
     add_subcommands(sub)
