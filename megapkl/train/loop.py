@@ -113,7 +113,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard,
                                     progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
-                                    resume=self.start > 0)
+                                    resume=self.start > 0, wandb=cfg.logging.wandb, run_name=cfg.name)
 
     # ------------------------------------------------------------------ the loop
 
