@@ -31,9 +31,10 @@ Any aggregation works (token_mean, seq_mean, ...): the factor N is what megatron
 the objective's normalizer Z. MoE auxiliary losses are left to megatron: we neither return nor
 rescale them (with calculate_per_token_loss megatron scales them by 1 and divides by N too).
 
-Pre-pass (`run_prepass`): TETPO / GEPO group statistics and M2PO's global mask depend on other
-responses' current log-probs; a forward-only schedule over all micro-batches gathers every
-response's complete sums and every token's Delta^2, then the training pass uses them.
+Pre-pass (`run_prepass`): TETPO / GEPO group statistics, M2PO's global mask and Clip-Cov's
+minibatch means depend on other responses' current log-probs; a forward-only schedule over all
+micro-batches gathers every response's complete sums and every token's Delta^2 (M2PO) or
+(log pi, A) (Clip-Cov), then the training pass uses them.
 """
 from __future__ import annotations
 
