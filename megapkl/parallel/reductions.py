@@ -149,6 +149,8 @@ def reduce_metric_parts(parts: MetricParts, group) -> MetricParts:
             t = torch.tensor([src[k] for k in ks], dtype=torch.float64)
             dist.all_reduce(t, op=op, group=group)
             dst.update(zip(ks, t.tolist()))
+    for k in sorted(parts.samples):  # quantile samples: every shard's values, once each
+        out.samples[k] = torch.cat(all_gather_varlen(parts.samples[k].to(torch.float64), group))
     return out
 
 

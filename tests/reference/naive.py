@@ -299,6 +299,18 @@ def naive_m2po_mask(delta, tau: float) -> list[float]:
     return mask
 
 
+def naive_quantiles(name: str, values) -> dict:
+    """p10 / p50 / p90 with linear interpolation between order statistics."""
+    v = sorted(float(x) for x in values)
+    out = {}
+    for q, tag in ((0.1, "p10"), (0.5, "p50"), (0.9, "p90")):
+        pos = q * (len(v) - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, len(v) - 1)
+        out[f"{name}_{tag}"] = v[lo] + (pos - lo) * (v[hi] - v[lo])
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Table 2 masks of the SIS paper (eq. 37, 38)
 # --------------------------------------------------------------------------------------------------
@@ -509,6 +521,9 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
             metrics["tetpo/tempered_frac"] = sum(1 for a in alphas if a < 1.0) / len(alphas)
             metrics["tetpo/ess_frac_before"] = sum(v[1] for v in per_group.values()) / len(alphas)
             metrics["tetpo/ess_frac_after"] = sum(v[2] for v in per_group.values()) / len(alphas)
+            metrics.update(naive_quantiles("tetpo/alpha", alphas))
+            metrics.update(naive_quantiles("tetpo/ess_frac_before", [v[1] for v in per_group.values()]))
+            metrics.update(naive_quantiles("tetpo/ess_frac_after", [v[2] for v in per_group.values()]))
         elif name == "gepo":
             Lpi, Lmu = [], []
             for toks in resp:
@@ -584,6 +599,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                                          sum(1 for x in lvec if abs(x) > float(ec)) / N)
         metrics["pkl/credit_mean"] = sum(C) / N
         metrics["pkl/credit_abs_max"] = max(abs(c) for c in C)
+        metrics.update(naive_quantiles("pkl/credit", C))
     if sis_on:
         metrics["sis/accept_rate"] = sum(z) / N
         dv = 0.0
@@ -596,6 +612,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
         for t in range(N):
             xi += 1.0 - sum(math.exp(float(v)) for v in tkp[t])
         metrics["sis/xi_k"] = xi / N
+        metrics.update(naive_quantiles("sis/accept_rate", [sum(z[t] for t in toks) / len(toks) for toks in resp]))
 
     extras = {"z": z, "C": C, "f": f, "T": T, "A": A}
     naive_policy_loss.last_extras = extras  # for tests that want intermediate values
@@ -609,13 +626,16 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
     names = set(COMMON_METRICS)
     if name in CLIP_OBJECTIVES:
         names.add("clip/frac")
+    q = ("_p10", "_p50", "_p90")
     if name in CREDIT_OBJECTIVES:
         names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
+        names |= {"pkl/credit" + s for s in q}
     if cfg["sis"]["enabled"]:
-        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"}
+        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"} | {"sis/accept_rate" + s for s in q}
     if name == "tetpo":
         names |= {"tetpo/alpha_mean", "tetpo/alpha_min", "tetpo/tempered_frac",
                   "tetpo/ess_frac_before", "tetpo/ess_frac_after"}
+        names |= {f"tetpo/{m}{s}" for m in ("alpha", "ess_frac_before", "ess_frac_after") for s in q}
     if name == "m2po":
         names.add("m2po/mask_frac")
     if name == "dppo_tv":
