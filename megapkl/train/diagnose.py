@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported inside the functions: `megapkl --help` must not need it
+    from torch import Tensor
 
 Horizon = Union[int, str]
 DEFAULT_HORIZONS: tuple[Horizon, ...] = (1, 2, 4, 8, 16, 32, 64, "full")
@@ -28,6 +28,8 @@ UNIT = 1e-3
 
 def first_token_correction(l: Tensor, horizon: Horizon, beta: float, eps_f: Optional[float]) -> float:
     """Eq. C.4 for one response: l = log rho_j of its tokens, in order."""
+    import torch
+
     n = l.numel() if horizon == "full" else min(int(horizon), l.numel())
     costs = l[:n].to(torch.float64)
     if eps_f is not None:
@@ -38,6 +40,8 @@ def first_token_correction(l: Tensor, horizon: Horizon, beta: float, eps_f: Opti
 def correction_variance(l_by_prompt: Sequence[Sequence[Tensor]], horizon: Horizon, beta: float,
                         eps_f: Optional[float]) -> float:
     """Eq. C.5: mean over prompts of the sample variance (M - 1) of C_pm^(H) over their responses."""
+    import torch
+
     variances = []
     for responses in l_by_prompt:
         if len(responses) < 2:
@@ -102,6 +106,8 @@ def _checkpoint(cfg, given: Optional[str]) -> Optional[Path]:
 
 def _load(learner, path: Optional[Path], initial: dict) -> None:
     """Current model weights <- checkpoint `path`, or the initial weights when None."""
+    import torch
+
     from megapkl.models.checkpoint import load_checkpoint
 
     if path is None:
@@ -120,6 +126,8 @@ def _params(model):
 def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], responses: int
                       ) -> list[list[Tensor]]:
     """Responses of the current policy to the first P prompts; log rho_j per response, by prompt."""
+    import torch
+
     from megapkl.parallel.batching import Response
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
