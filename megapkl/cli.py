@@ -70,9 +70,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """EMA-smoothed curves of one or several run directories into PNG files."""
-    from megapkl.train.plot import plot_runs
+    from megapkl.train.plot import plot_runs, run_ema_alpha
 
-    files = plot_runs(args.runs, args.out, alpha=args.ema)
+    alpha = args.ema if args.ema is not None else run_ema_alpha(args.runs[0])
+    files = plot_runs(args.runs, args.out, alpha=alpha)
     print(f"wrote {len(files)} plots to {args.out}")
     return 0
 
@@ -107,9 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="EMA-smoothed curves of run directories into PNGs")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", default="plots", help="output directory (default: plots)")
-    plot.add_argument("--ema", type=float, default=0.1, help="EMA alpha (default 0.1)")
+    plot.add_argument("--ema", type=float, default=None,
+                      help="EMA alpha (default: the first run's logging.ema_alpha, else 0.1)")
     plot.set_defaults(func=cmd_plot)
 
+    from megapkl.train.diagnose import add_subcommand as add_diagnose  # diagnose ...
+
+    add_diagnose(sub)
     from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
 
     add_subcommands(sub)

@@ -60,6 +60,8 @@ CASES = [
      "integer horizon"),
     ("sis-tetpo", "objective:\n  name: tetpo\n  sis: {enabled: true}\n", [],
      "objective.sis.enabled", "run.yaml", 4, "SIS"),
+    ("dppo-no-topk", "objective:\n  name: dppo_tv\nrollout:\n  topk_logprobs: 0\n", [],
+     "rollout.topk_logprobs", "run.yaml", 5, "behavior top-K"),
     ("seq-parallel", "parallel:\n  sequence_parallel: true\n", [], "parallel.sequence_parallel",
      "run.yaml", 3, "tensor > 1"),
     ("expert-dense", "parallel:\n  expert: 2\n", [], "parallel.expert", "run.yaml", 3,

@@ -21,7 +21,7 @@ from reference.naive import OBJECTIVES  # noqa: E402
 
 OTHER = ("logp_behav", "logp_prox", "logp_init", "topk_logp", "topk_logp_behav", "advantages")
 
-CONFIGS = [(n, {"name": n}, {}) for n in OBJECTIVES]
+CONFIGS = [(n, {"name": n}, {"top_k": 3} if n == "dppo_tv" else {}) for n in OBJECTIVES]
 CONFIGS += [(f"{n}-smtm", {"name": n, "aggregation": "seq_mean_token_mean"}, {})
             for n in ("pg", "grpo", "proximal_kl", "seq_is", "is_free", "cispo", "m2po", "tetpo")]
 CONFIGS += [(f"{n}-seq_mean", {"name": n, "aggregation": "seq_mean"}, {}) for n in ("grpo", "gspo", "gepo")]
@@ -29,7 +29,9 @@ CONFIGS += [("pkl-tsn", {"name": "proximal_kl", "aggregation": "token_sum_norm",
 CONFIGS += [("pkl-tail", {"name": "proximal_kl", "horizon": 3, "tail": "linear", "cost_clip": None}, {})]
 CONFIGS += [(f"sis-{n}-K{k}", {"name": n, "sis": {"enabled": True, "top_k": k}}, {"top_k": k})
             for n in ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo") for k in (1, 3, 8)]
-CONFIGS += [(f"klinit-{n}", {"name": n, "kl_init_coef": 0.1}, {"with_init": True}) for n in OBJECTIVES]
+CONFIGS += [(f"klinit-{n}", {"name": n, "kl_init_coef": 0.1}, {"with_init": True, "top_k": 3}) for n in OBJECTIVES]
+CONFIGS += [("dppo_tv-smtm", {"name": "dppo_tv", "aggregation": "seq_mean_token_mean"}, {"top_k": 2}),
+            ("clip_cov-smtm", {"name": "clip_cov", "aggregation": "seq_mean_token_mean"}, {})]
 CONFIGS += [("klinit-sis-pkl-smtm", {"name": "proximal_kl", "kl_init_coef": 0.1, "aggregation": "seq_mean_token_mean",
                                      "sis": {"enabled": True, "top_k": 3}}, {"with_init": True, "top_k": 3})]
 CONFIGS += [(f"entropy-{n}", {"name": n, "entropy_coef": 0.03, "kl_init_coef": 0.01},

@@ -107,3 +107,32 @@ def test_objectives_import_no_distributed_or_megatron():
             "print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_baseline_perturbation_shifts_the_advantage_and_nothing_else():
+    """PKL C.3 / Fig. 7 (`advantage.perturb_baseline`): A' = A + 1 in groups with non-constant
+    rewards, rewards and within-group differences unchanged; Proximal KL's credit is computed as
+    usual and subtracted after the shift (coef' - coef = w I_g); GRPO's clip gate reacts to it."""
+    import sys as _sys
+    _sys.path.insert(0, str(ROOT / "tests"))
+    from reference.gen import make_batch, to_token_batch
+
+    rewards = [1.0, 0.0, 1.0, 0.0] + [1.0] * 4 + [0.0, 0.0, 1.0, 1.0]   # group 1 is constant
+    clean = make_batch(7, M=12, G=4, rewards=rewards, adv_mode="group_std")
+    from megapkl.objectives.advantages import compute_advantages
+    ridx = clean["response_index"]
+    pert = dict(clean)
+    pert["advantages"] = compute_advantages(torch.tensor(rewards, dtype=torch.float64), clean["group_index"],
+                                            "group_std", perturb_baseline=True)[ridx]
+    shift = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)[clean["group_index"][ridx]]
+    torch.testing.assert_close(pert["advantages"] - clean["advantages"], shift, rtol=0, atol=1e-12)
+    out = {}
+    for name in ("proximal_kl", "grpo"):
+        cfg = PolicyLossConfig.from_dict({"name": name})
+        out[name] = [policy_loss(cfg, to_token_batch(d)[0]) for d in (clean, pert)]
+    c, p = out["proximal_kl"]
+    w = torch.exp(clean["logp"] - clean["logp_behav"])
+    torch.testing.assert_close(p.coef - c.coef, w * shift, rtol=1e-10, atol=1e-12)
+    assert p.metrics["pkl/credit_mean"] == c.metrics["pkl/credit_mean"]
+    c, p = out["grpo"]
+    assert p.metrics["clip/frac"] != c.metrics["clip/frac"]   # the sign-dependent gate moves

@@ -164,6 +164,9 @@ for _name in TOKEN_OBJ:
     for _agg in AGGS:
         for _seed in (0, 1, 2):
             CASES.append((f"{_name}-{_agg}-s{_seed}", {"name": _name, **_agg_cfg(_agg)}, {"seed": _seed}))
+for _name in ("dppo_tv", "clip_cov"):  # one seed per aggregation (their GRPO core is covered above)
+    for _agg in AGGS:
+        CASES.append((f"{_name}-{_agg}-s0", {"name": _name, **_agg_cfg(_agg)}, {"seed": 0}))
 for _name, _aggs in (("gspo", ["seq_mean_token_mean", "seq_mean"]), ("gepo", ["seq_mean_token_mean", "seq_mean"]),
                      ("tetpo", ["seq_mean", "seq_mean_token_mean"])):
     for _agg in _aggs:
@@ -240,6 +243,20 @@ CASES += [
     ("sis-gspo-eps0.2", {"name": "gspo", "eps_clip_low": 0.2, "eps_clip_high": 0.2,
                          "sis": {"enabled": True, "top_k": 5}}, {"seed": 63, "top_k": 5}),
 ]
+# SIS Table 2 masks: thresholds that mask nothing, part and (nearly) all; top-K sizes incl. K = V
+CASES += [
+    ("dppo_tv-delta0.05-K3", {"name": "dppo_tv", "tv_delta": 0.05}, {"seed": 90, "top_k": 3}),
+    ("dppo_tv-delta1-K3", {"name": "dppo_tv", "tv_delta": 1.0}, {"seed": 91, "top_k": 3}),
+    ("dppo_tv-K1", {"name": "dppo_tv"}, {"seed": 92, "top_k": 1}),
+    ("dppo_tv-K=V-smtm", {"name": "dppo_tv", "aggregation": "seq_mean_token_mean"}, {"seed": 93, "top_k": 8}),
+    ("clip_cov-omega0", {"name": "clip_cov", "cov_omega": 0.0}, {"seed": 94}),
+    ("clip_cov-omega-neg", {"name": "clip_cov", "cov_omega": -0.5}, {"seed": 95}),
+    ("clip_cov-omega-large", {"name": "clip_cov", "cov_omega": 100.0}, {"seed": 96}),
+    ("clip_cov-smtm", {"name": "clip_cov", "aggregation": "seq_mean_token_mean"}, {"seed": 97}),
+]
+# DPPO-TV reads the behavior top-K: every batch built for it records one (K = 3 unless given).
+CASES = [(c, cfg, {**bk, "top_k": bk.get("top_k", 3)} if cfg["name"] == "dppo_tv" else bk)
+         for c, cfg, bk in CASES]
 
 
 @pytest.mark.parametrize("cid,cfg,bk", CASES, ids=[c[0] for c in CASES])
@@ -308,6 +325,32 @@ def test_reference_coef_differs_between_objectives():
     assert met["tetpo/tempered_frac"] > 0
     met = run_reference({"name": "m2po"}, d)[3]
     assert 0 < met["m2po/mask_frac"] < 1
+    met = run_reference({"name": "clip_cov"}, d)[3]
+    assert 0 < met["clip_cov/mask_frac"] < 1
+    met = run_reference({"name": "dppo_tv"}, make_batch(0, top_k=3))[3]
+    assert 0 < met["dppo/mask_frac"] < 1
+
+
+def test_ref_tv_hand_example():
+    """Eq. 37 on K = 2 ids plus the residual bin, computed by hand."""
+    pi, mu = [0.5, 0.2], [0.3, 0.4]            # residual masses 0.3 and 0.3
+    tv = naive.naive_tv([math.log(p) for p in pi], [math.log(q) for q in mu])
+    assert tv == pytest.approx(0.5 * (0.2 + 0.2 + 0.0))
+    pi, mu = [0.9, 0.05], [0.5, 0.1]           # residuals 0.05 and 0.4
+    tv = naive.naive_tv([math.log(p) for p in pi], [math.log(q) for q in mu])
+    assert tv == pytest.approx(0.5 * (0.4 + 0.05 + 0.35))
+
+
+def test_ref_cov_and_masks_hand_example():
+    """Eq. 38 with batch means; a masked token keeps neither coefficient nor surrogate."""
+    covs = naive.naive_cov([-1.0, -3.0], [1.0, -1.0])   # means -2, 0
+    assert covs == [pytest.approx(1.0), pytest.approx(1.0)]
+    d = {"logp": [-1.0, -3.0], "logp_behav": [-1.0, -3.0], "advantages": [1.0, -1.0],
+         "response_index": [0, 1], "group_index": [0, 0]}
+    _, coef, _, met = naive.naive_policy_loss({"name": "clip_cov", "cov_omega": 0.5}, d)
+    assert coef == [0.0, 0.0] and met["clip_cov/mask_frac"] == 1.0
+    _, coef, _, met = naive.naive_policy_loss({"name": "clip_cov", "cov_omega": 1.0}, d)
+    assert coef == [1.0, -1.0] and met["clip_cov/mask_frac"] == 0.0
 
 
 # ==================================================================================================
@@ -355,7 +398,7 @@ def test_temper_groups_matches_reference():
 
 @pytest.mark.parametrize("name", naive.OBJECTIVES)
 def test_float32_inputs_keep_dtype_and_agree(name):
-    d = make_batch(90, with_init=True)
+    d = make_batch(90, with_init=True, top_k=3)
     d32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in d.items()}
     cfg = {"name": name, "kl_init_coef": 0.01}
     out, _, _ = run_library(cfg, d32)
@@ -383,6 +426,7 @@ def test_config_per_objective_defaults(name):
     assert (cfg.beta, cfg.horizon, cfg.cost_clip, cfg.tail) == (0.30, "full", 0.05, "none")
     assert tuple(cfg.is_clip) == (0.0, 5.0)
     assert (cfg.kappa, cfg.bisection_steps, cfg.m2_threshold) == (0.85, 24, 0.04)
+    assert (cfg.tv_delta, cfg.cov_omega) == (ref["tv_delta"], ref["cov_omega"]) == (0.15, 1.0)
     assert (cfg.sis.enabled, cfg.sis.top_k, cfg.kl_init_coef, cfg.entropy_coef, cfg.seed) == (False, 10, 0.0, 0.0, 0)
 
 

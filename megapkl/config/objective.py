@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 from megapkl.config.typed import build, rng
 
 ObjectiveName = Literal["pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "gspo",
-                        "tetpo", "gepo", "m2po"]
+                        "tetpo", "gepo", "m2po", "dppo_tv", "clip_cov"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean", "token_sum_norm"]
 
 OBJECTIVE_NAMES: tuple[str, ...] = ObjectiveName.__args__  # type: ignore[attr-defined]
@@ -22,7 +22,7 @@ OBJECTIVE_NAMES: tuple[str, ...] = ObjectiveName.__args__  # type: ignore[attr-d
 DEFAULT_AGGREGATION = {"gspo": "seq_mean_token_mean", "gepo": "seq_mean_token_mean", "tetpo": "seq_mean"}
 DEFAULT_EPS = {  # (eps_clip_low, eps_clip_high)
     "grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
-    "gepo": (0.2, 0.2),
+    "gepo": (0.2, 0.2), "dppo_tv": (0.2, 0.2), "clip_cov": (0.2, 0.2),
 }
 # Objectives whose coefficient contains the token weight w_t, so SIS can replace it (SPEC 4.3).
 SIS_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo")
@@ -56,6 +56,10 @@ class ObjectiveConfig:
     kappa: float = field(default=0.85, metadata=rng(0.0, 1.0, lo_open=True))
     bisection_steps: int = field(default=24, metadata=rng(1, 64))
     m2_threshold: float = field(default=0.04, metadata=rng(0.0, lo_open=True))
+    # assumption: the SIS paper states neither threshold. delta 0.15 is the TV threshold of DPPO's
+    # public example script; omega 1.0 is the lower covariance bound of Clip-Cov's public recipe.
+    tv_delta: float = field(default=0.15, metadata=rng(0.0, 1.0, lo_open=True))
+    cov_omega: float = field(default=1.0)
     sis: SISConfig = field(default_factory=SISConfig)
     kl_init_coef: float = field(default=0.0, metadata=rng(0.0))
     entropy_coef: float = field(default=0.0)
@@ -81,6 +85,11 @@ class ObjectiveConfig:
         if self.name in SEQUENCE_OBJECTIVES and agg not in ("seq_mean", "seq_mean_token_mean"):
             err(f"{self.name} weights whole sequences: use seq_mean or seq_mean_token_mean, not {agg}",
                 "aggregation")
+
+    @property
+    def needs_topk(self) -> bool:
+        """The behavior top-K log-probs and pi_theta on the same ids are needed (SIS, DPPO-TV)."""
+        return self.sis.enabled or self.name == "dppo_tv"
 
     def resolve(self) -> "ObjectiveConfig":
         """Return a copy with every per-objective default filled in."""

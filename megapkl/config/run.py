@@ -69,7 +69,7 @@ class RunConfig:
         run_dir = self.run_dir or f"runs/{self.name}"
         ro, ref = self.rollout, self.reference
         sis = self.objective.sis
-        topk = ro.topk_logprobs if ro.topk_logprobs is not None else (sis.top_k if sis.enabled else 0)
+        topk = ro.topk_logprobs if ro.topk_logprobs is not None else (sis.top_k if self.objective.needs_topk else 0)
         data_size = self.parallel.data_size(self.world_size)
         return dataclasses.replace(
             self,
@@ -186,6 +186,9 @@ def _check_reference(cfg: RunConfig, err) -> None:
 
 def _check_sis(cfg: RunConfig, err) -> None:
     sis, k = cfg.objective.sis, cfg.rollout.topk_logprobs
+    if cfg.objective.name == "dppo_tv" and k == 0:
+        err("dppo_tv compares the policies on the behavior top-K log-probs; set "
+            "rollout.topk_logprobs > 0 (unset: objective.sis.top_k)", "rollout.topk_logprobs")
     if sis.enabled and k is not None and k < sis.top_k:
         err(f"SIS with top_k {sis.top_k} needs the rollout to record at least that many behavior "
             f"log-probs per token, got topk_logprobs={k}", "rollout.topk_logprobs",

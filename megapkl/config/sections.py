@@ -107,8 +107,9 @@ class AdvantageConfig:
     perturb_baseline: bool = False  # PKL C.1: add 1{max R > min R} after normalization
     filter_constant_groups: bool = False  # DAPO dynamic sampling: drop all-equal groups, refill
     std_eps: float = field(default=1e-5, metadata=rng(0.0, lo_open=True))  # PKL eq. A.2
-    # Dynamic sampling gives up (and trains on a smaller batch) after this many refill rounds.
-    max_fill_rounds: int = field(default=16, metadata=rng(1))
+    # Dynamic sampling draws at most this many rounds of prompts to fill a batch, then stops the
+    # run with an error naming this key (the task is too easy or too hard for the policy).
+    max_fill_rounds: int = field(default=64, metadata=rng(1, 64))
 
 
 @dataclass

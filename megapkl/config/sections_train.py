@@ -146,6 +146,16 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging beside TensorBoard (`pip install -e .[wandb]`). `offline` writes the
+    run under <run_dir>/wandb for a later `wandb sync`; `disabled` (default) never imports wandb."""
+
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "megapkl"
+    entity: Optional[str] = None
+
+
+@dataclass
 class LoggingConfig:
     """Metrics output (SPEC section 9 names); curves smoothed with EMA alpha (SPEC 11: 0.10)."""
 
@@ -154,7 +164,7 @@ class LoggingConfig:
     every: int = field(default=1, metadata=rng(1))
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
     progress_bar: bool = True
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -166,7 +176,6 @@ class CheckpointConfig:
     every: int = field(default=100, metadata=rng(0))
     keep: Optional[int] = field(default=3, metadata=rng(1))
     resume: Union[bool, str] = False
-    save_optimizer: bool = True
     export_hf: bool = False  # also write a HF-format copy of the final weights
 
     def check(self, err) -> None:

@@ -50,6 +50,7 @@ class LossContext:
     credit: local l [N] -> C_t [N] computed over the complete responses (CP gather).
     response_table: every response of the minibatch (TETPO / GEPO group statistics).
     m2_values: Delta^2 of every token of the minibatch (M2PO's global mask).
+    token_means: [2] float64 (mean log pi_theta, mean A) over every token of the minibatch (Clip-Cov).
     owns_response: [M] bool, the one rank that counts a response's sequence value and metrics.
     """
 
@@ -60,6 +61,7 @@ class LossContext:
     credit: Optional[Callable[[Tensor], Tensor]] = None
     response_table: Optional[ResponseTable] = None
     m2_values: Optional[Tensor] = None
+    token_means: Optional[Tensor] = None
     owns_response: Optional[Tensor] = None
 
     @property

@@ -54,7 +54,7 @@ def policy_loss(cfg: ObjectiveConfig, batch: TokenBatch, ctx: Optional[LossConte
         cfg = cfg.resolve()
     ctx = ctx or LossContext()
     if validate:
-        batch.validate(need_sis=cfg.sis.enabled, need_init=cfg.kl_init_coef > 0,
+        batch.validate(need_sis=cfg.needs_topk, need_init=cfg.kl_init_coef > 0,
                        full_lengths=ctx.response_lengths, need_entropy=cfg.entropy_coef != 0)
     s = Stats(cfg, batch, ctx)
     terms = get_objective(cfg.name)(s)

@@ -1,7 +1,9 @@
 """Metrics every objective reports (SPEC section 9), kept as reducible parts.
 
 A loss call on a shard reports sums and counts (token means, response means), maxima, minima,
-totals (the loss) and already-global values (TETPO group statistics). `MetricParts.merge` combines
+totals (the loss), already-global values (TETPO group statistics) and samples: the values whose
+per-update distribution is reported as quantiles `<name>_p10/_p50/_p90` (PKL credit per token, SIS
+acceptance per response), gathered from every shard before the quantiles are taken. `MetricParts.merge` combines
 micro-batches; `megapkl.parallel` all-reduces the parts across ranks; `finalize` gives the floats.
 """
 from __future__ import annotations
@@ -22,10 +24,11 @@ class MetricParts:
     mins: dict[str, float] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=dict)   # summed over shards, not averaged
     values: dict[str, float] = field(default_factory=dict)   # identical on every shard
+    samples: dict[str, Tensor] = field(default_factory=dict)  # float64 [n]: quantiles at finalize
 
     def merge(self, other: "MetricParts") -> "MetricParts":
         out = MetricParts(dict(self.sums), dict(self.counts), dict(self.maxes), dict(self.mins),
-                          dict(self.totals), dict(self.values))
+                          dict(self.totals), dict(self.values), dict(self.samples))
         for k, v in other.sums.items():
             out.sums[k] = out.sums.get(k, 0.0) + v
             out.counts[k] = out.counts.get(k, 0.0) + other.counts[k]
@@ -36,6 +39,8 @@ class MetricParts:
         for k, v in other.totals.items():
             out.totals[k] = out.totals.get(k, 0.0) + v
         out.values.update(other.values)
+        for k, v in other.samples.items():
+            out.samples[k] = torch.cat([out.samples[k], v]) if k in out.samples else v
         return out
 
     def finalize(self) -> dict[str, float]:
@@ -44,7 +49,20 @@ class MetricParts:
         out.update(self.mins)
         out.update(self.totals)
         out.update(self.values)
+        for k, v in self.samples.items():
+            out.update(quantile_metrics(k, v))
         return out
+
+
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def quantile_metrics(name: str, values: Tensor) -> dict[str, float]:
+    """{name_p10, name_p50, name_p90} (linear interpolation); {} for no values."""
+    if values.numel() == 0:
+        return {}
+    q = torch.quantile(values.to(torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
+    return {f"{name}_p{round(p * 100):02d}": float(x) for p, x in zip(QUANTILES, q.tolist())}
 
 
 class _Builder:
@@ -52,6 +70,10 @@ class _Builder:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, str, Tensor]] = []
+        self.samples: dict[str, Tensor] = {}
+
+    def sample(self, name: str, values: Tensor) -> None:
+        self.samples[name] = values.detach().to(torch.float64).reshape(-1)
 
     def add(self, kind: str, name: str, value: Tensor) -> None:
         self.items.append((kind, name, torch.as_tensor(value).detach().to(torch.float64).reshape(())))
@@ -66,7 +88,7 @@ class _Builder:
             self.add("count", name, mask.sum())
 
     def build(self) -> MetricParts:
-        parts = MetricParts()
+        parts = MetricParts(samples=dict(self.samples))
         if not self.items:
             return parts
         floats = torch.stack([t for _, _, t in self.items]).tolist()
@@ -104,12 +126,15 @@ def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) ->
         eps = s.cfg.cost_clip
         b.mean("pkl/cost_clip_frac", s.l.abs() > eps if eps is not None else torch.zeros_like(s.l))
         b.mean("pkl/credit_mean", s.credit)
+        b.sample("pkl/credit", s.credit)
         _max(b, "pkl/credit_abs_max", s.credit.abs())
     if s.sis is not None:
         z = s.sis.accepted
         b.mean("sis/accept_rate", z)
         b.mean("sis/log_dev", s.seq_sum(torch.where(z, torch.zeros_like(abs_delta), abs_delta)), s.owned)
         b.mean("sis/xi_k", s.sis.xi_k)
+        per_response = s.seq_sum(z.to(s.dtype)) / s.lengths   # accepted fraction of each response
+        b.sample("sis/accept_rate", per_response[s.owned])
     if s.cfg.kl_init_coef > 0:
         di = s.batch.logp_init.detach() - s.logp
         b.mean("kl/init_k3", torch.exp(di) - di - 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import Callable
 
 from megapkl.objectives.cispo import cispo
+from megapkl.objectives.clip_cov import clip_cov
+from megapkl.objectives.dppo_tv import dppo_tv
 from megapkl.objectives.gepo import gepo
 from megapkl.objectives.grpo import grpo
 from megapkl.objectives.gspo import gspo
@@ -29,6 +31,8 @@ OBJECTIVES: dict[str, ObjectiveFn] = {
     "tetpo": tetpo,              # TETPO eq. 7
     "gepo": gepo,                # TETPO sec. 1 (GEPO)
     "m2po": m2po,                # TETPO sec. 1 (M2PO, greedy_all)
+    "dppo_tv": dppo_tv,          # SIS eq. 37 (GRPO + top-K total-variation mask)
+    "clip_cov": clip_cov,        # SIS eq. 38 (GRPO + log-prob x advantage covariance mask)
 }
 
 

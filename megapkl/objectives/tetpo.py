@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megapkl.objectives.metrics import quantile_metrics
 from megapkl.objectives.segments import group_ids
 from megapkl.objectives.stats import Stats, Terms, clip_active
 
@@ -96,6 +97,9 @@ def tetpo(s: Stats) -> Terms:
         "tetpo/alpha_mean": t.alpha.mean(), "tetpo/alpha_min": t.alpha.min(),
         "tetpo/tempered_frac": (t.alpha < 1).to(torch.float64).mean(),
         "tetpo/ess_frac_before": t.ess_before.mean(), "tetpo/ess_frac_after": t.ess_after.mean(),
+        # per-group distributions (every shard holds every group: already global)
+        **quantile_metrics("tetpo/alpha", t.alpha), **quantile_metrics("tetpo/ess_frac_before", t.ess_before),
+        **quantile_metrics("tetpo/ess_frac_after", t.ess_after),
     }
     return Terms(coef=s.tok(wt * adv * active), value=torch.minimum(wt * adv, clipped * adv),
                  sequence_level=True, clipped=s.tok(~active), metrics=metrics)

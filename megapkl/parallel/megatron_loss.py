@@ -31,9 +31,10 @@ Any aggregation works (token_mean, seq_mean, ...): the factor N is what megatron
 the objective's normalizer Z. MoE auxiliary losses are left to megatron: we neither return nor
 rescale them (with calculate_per_token_loss megatron scales them by 1 and divides by N too).
 
-Pre-pass (`run_prepass`): TETPO / GEPO group statistics and M2PO's global mask depend on other
-responses' current log-probs; a forward-only schedule over all micro-batches gathers every
-response's complete sums and every token's Delta^2, then the training pass uses them.
+Pre-pass (`run_prepass`): TETPO / GEPO group statistics, M2PO's global mask and Clip-Cov's
+minibatch means depend on other responses' current log-probs; a forward-only schedule over all
+micro-batches gathers every response's complete sums and every token's Delta^2 (M2PO) or
+(log pi, A) (Clip-Cov), then the training pass uses them.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class MinibatchStats:
     num_responses: float
     response_table: Optional[ResponseTable] = None   # TETPO / GEPO (pre-pass)
     m2_values: Optional[Tensor] = None               # M2PO (pre-pass)
+    token_means: Optional[Tensor] = None             # Clip-Cov (pre-pass)
 
 
 @dataclass
@@ -128,14 +130,15 @@ def shard_context(spec: PolicyLossSpec, mb: MicroBatch, batch) -> LossContext:
     return R.shard_context(spec.cfg, response_index=batch.response_index, positions=batch.positions,
                            response_lengths=response_lengths(mb), cp_group=spec.groups.cp,
                            num_tokens=s.num_tokens, num_responses=s.num_responses,
-                           response_table=s.response_table, m2_values=s.m2_values)
+                           response_table=s.response_table, m2_values=s.m2_values,
+                           token_means=s.token_means)
 
 
 def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
     """megatron loss function: (N * loss_shard, local token count, ShardReport). See module doc."""
     cfg = spec.cfg
     lp = action_logprobs(mb, logits, spec.groups, spec.temperature,
-                         need_entropy=cfg.entropy_coef != 0, need_topk=cfg.sis.enabled,
+                         need_entropy=cfg.entropy_coef != 0, need_topk=cfg.needs_topk,
                          chunk_tokens=spec.chunk_tokens)
     batch = token_batch(mb, lp.logp, topk_logp=lp.topk_logp, entropy=lp.entropy, step=spec.step)
     out = shard_policy_loss(cfg, batch, shard_context(spec, mb, batch))
@@ -228,10 +231,10 @@ def run_prepass(cfg: ObjectiveConfig, groups: ParallelGroups, model,
     spec = PolicyLossSpec(cfg=cfg, groups=groups, stats=stats, temperature=temperature, step=step)
 
     def loss_func(mb: MicroBatch, logits: Tensor):
-        lp = action_logprobs(mb, logits, groups, temperature, need_topk=cfg.sis.enabled)
+        lp = action_logprobs(mb, logits, groups, temperature, need_topk=cfg.needs_topk)
         batch = token_batch(mb, lp.logp, topk_logp=lp.topk_logp, step=step)
         ctx = shard_context(spec, mb, batch)
-        ctx.response_table, ctx.m2_values = None, None
+        ctx.response_table, ctx.m2_values, ctx.token_means = None, None, None
         table, m2 = shard_prepass(cfg, batch, ctx)
         return torch.zeros(()), torch.tensor(0, dtype=torch.int), (table, m2)
 
@@ -247,13 +250,15 @@ def gather_prepass(cfg: ObjectiveConfig, groups: ParallelGroups,
                    products: Sequence[tuple[ResponseTable, Tensor]], stats: MinibatchStats) -> MinibatchStats:
     """Combine this rank's per-micro-batch pre-pass products into minibatch statistics; only
     what the objective reads crosses ranks (the table for TETPO/GEPO, Delta^2 for M2PO)."""
-    table = m2 = None
+    table = m2 = means = None
     if cfg.name in ("tetpo", "gepo"):
         table = R.gather_response_table([t for t, _ in products], groups.dp)
     if cfg.name == "m2po":
         m2 = R.gather_token_values([m for _, m in products], groups.dp_cp)
+    if cfg.name == "clip_cov":
+        means = R.gather_token_values([m for _, m in products], groups.dp_cp).mean(0)
     return MinibatchStats(num_tokens=stats.num_tokens, num_responses=stats.num_responses,
-                          response_table=table, m2_values=m2)
+                          response_table=table, m2_values=m2, token_means=means)
 
 
 def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBatch],

@@ -149,13 +149,16 @@ def reduce_metric_parts(parts: MetricParts, group) -> MetricParts:
             t = torch.tensor([src[k] for k in ks], dtype=torch.float64)
             dist.all_reduce(t, op=op, group=group)
             dst.update(zip(ks, t.tolist()))
+    for k in sorted(parts.samples):  # quantile samples: every shard's values, once each
+        out.samples[k] = torch.cat(all_gather_varlen(parts.samples[k].to(torch.float64), group))
     return out
 
 
 def shard_context(cfg: ObjectiveConfig, *, response_index: Tensor, positions: Tensor,
                   response_lengths: Tensor, cp_group, num_tokens: float, num_responses: float,
                   response_table: Optional[ResponseTable] = None,
-                  m2_values: Optional[Tensor] = None) -> LossContext:
+                  m2_values: Optional[Tensor] = None,
+                  token_means: Optional[Tensor] = None) -> LossContext:
     """The `LossContext` of one micro-batch shard on this rank."""
     m = response_lengths.numel()
     cp = _size(cp_group) > 1
@@ -164,7 +167,7 @@ def shard_context(cfg: ObjectiveConfig, *, response_index: Tensor, positions: Te
         response_lengths=response_lengths.to(torch.int64),
         complete_sums=cp_complete_sums(cp_group),
         credit=cp_credit(cfg, cp_group, response_index, positions, response_lengths) if cp and cfg.uses_credit else None,
-        response_table=response_table, m2_values=m2_values,
+        response_table=response_table, m2_values=m2_values, token_means=token_means,
         owns_response=cp_owned(positions, response_index, m) if cp else None,
     )
 
@@ -177,9 +180,11 @@ def prepass_statistics(cfg: ObjectiveConfig, batch, ctx: LossContext) -> tuple[R
 
     s = Stats(cfg, batch, ctx)
     table, _ = s.response_table()
+    if cfg.name == "clip_cov":  # Clip-Cov: (log pi, A) of every token, for the minibatch means
+        return table, torch.stack([s.logp, s.adv], 1).to(torch.float64)
     return table, s.delta.to(torch.float64) ** 2
 
 
 def needs_prepass(cfg: ObjectiveConfig) -> bool:
     """Objectives whose coefficients depend on other responses' current log-probs."""
-    return cfg.name in ("tetpo", "gepo", "m2po")
+    return cfg.name in ("tetpo", "gepo", "m2po", "clip_cov")

@@ -50,7 +50,8 @@ def silence(parts: MetricParts) -> MetricParts:
     return MetricParts(
         sums={k: 0.0 for k in parts.sums}, counts={k: 0.0 for k in parts.counts},
         maxes={k: -float("inf") for k in parts.maxes}, mins={k: float("inf") for k in parts.mins},
-        totals={k: 0.0 for k in parts.totals}, values=dict(parts.values))
+        totals={k: 0.0 for k in parts.totals}, values=dict(parts.values),
+        samples={k: v[:0] for k, v in parts.samples.items()})
 
 
 def _placeholder(t: Optional[Tensor], shape: tuple[int, ...], dtype) -> Optional[Tensor]:

@@ -1,8 +1,8 @@
 """What a rollout engine consumes (`PromptItem`) and produces (`Sample`), and the packing of Samples
 into the per-token tensors of `megapkl.objectives.TokenBatch`.
 
-Conventions (the SGLang ones, see /work/shared/notes/sglang-api.md, so that the embedded engine and
-the SGLang engine produce interchangeable Samples):
+Conventions (those of SGLang's HTTP API, `return_logprob` / `top_logprobs_num`, so that the embedded
+engine and the SGLang engine produce interchangeable Samples):
 
 - `logp_behav[t]` = log_softmax(logits_t / temperature)[response_ids[t]] over the FULL vocabulary,
   before any top-k / top-p truncation (SGLang's `output_token_logprobs`). The trainer must recompute

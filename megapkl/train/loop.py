@@ -114,7 +114,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard,
                                     progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
-                                    resume=self.start > 0)
+                                    resume=self.start > 0, wandb=cfg.logging.wandb, run_name=cfg.name)
         self.evaluator = Evaluator.create(self)  # None unless eval.every / eval.at_start
 
     # ------------------------------------------------------------------ the loop
@@ -162,7 +162,7 @@ class Trainer:
 
     def keep_weights(self, u: int) -> None:
         """Export the learner's version u into the rollout pool if a batch may be generated from it."""
-        if u == 0 and self.cfg.objective.kl_init_coef > 0:
+        if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
             self.learner.snapshots.save("init", meta=0)
         if may_generate_from(self.schedule, u):
             self.rollouts.remember(u, self.learner.export())

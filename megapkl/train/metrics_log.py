@@ -1,4 +1,4 @@
-"""Per-update metrics to JSONL and TensorBoard, and a one-line progress display (SPEC section 9).
+"""Per-update metrics to JSONL, TensorBoard and W&B, and a one-line progress display (SPEC section 9).
 
 Rank 0 writes; other ranks construct the logger with `enabled=False`. Each JSONL row is one
 optimizer update: {"step": u, "time": seconds since start, <metric>: value, ...}.
@@ -9,8 +9,9 @@ import json
 import math
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -18,13 +19,14 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
                  progress: bool = True, total_steps: Optional[int] = None, resume: bool = False,
-                 stream: TextIO = sys.stderr) -> None:
+                 stream: TextIO = sys.stderr, wandb: Any = None, run_name: str = "megapkl") -> None:
         self.enabled, self.total, self.stream = enabled, total_steps, stream
         self.progress = progress and enabled
         self.start = time.time()
         self.path = Path(run_dir) / METRICS_FILE
         self._file = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,6 +35,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # lazy: heavy import
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        if wandb is not None and wandb.mode != "disabled":
+            self._wandb = start_wandb(wandb, Path(run_dir), run_name)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -41,10 +45,12 @@ class MetricsLogger:
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if self.progress:
             self.stream.write(progress_line(step, self.total, metrics) + "\n")
             self.stream.flush()
@@ -54,6 +60,24 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def start_wandb(cfg: Any, run_dir: Path, run_name: str):
+    """A W&B run for `logging.wandb` (imported only here). The run id is kept in
+    <run_dir>/wandb_id so a resumed or requeued run continues the same W&B run."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("logging.wandb.mode is set but wandb is not installed: "
+                          "pip install -e .[wandb] (or set logging.wandb.mode: disabled)") from None
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(run_dir),
+                      name=run_name, id=run_id, resume="allow")
 
 
 def _jsonable(v):

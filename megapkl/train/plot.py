@@ -16,7 +16,9 @@ from megapkl.train.metrics_log import read_metrics
 
 DEFAULT_METRICS = ("train/accuracy", "reward/mean", "entropy", "grad_norm", "is/w_mean", "is/w_max",
                    "is/log_dev", "kl/prox_k3", "clip/frac", "pkl/credit_mean", "sis/accept_rate",
-                   "tetpo/alpha_mean", "response_len/mean", "staleness/mean", "loss")
+                   "tetpo/alpha_mean", "response_len/mean", "staleness/mean", "loss",
+                   # per-update distributions: median with the p10-p90 band
+                   "pkl/credit_p50", "sis/accept_rate_p50", "tetpo/alpha_p50", "tetpo/ess_frac_before_p50")
 
 
 def ema(values: Sequence[float], alpha: float) -> list[float]:
@@ -47,6 +49,17 @@ def eval_metrics(runs: list[tuple[str, list[dict]]]) -> list[str]:
     keys = {k for _, rows in runs for r in rows for k in r
             if k.startswith("eval/") and k != "eval/version" and not k.endswith("/errors")}
     return sorted(keys, key=lambda k: (not k.startswith("eval/micro_avg"), k))
+
+
+def run_ema_alpha(run_dir: str | Path, default: float = 0.1) -> float:
+    """The EMA alpha a run's resolved config asks for (`logging.ema_alpha`), else `default`."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        return default
+    logging = (yaml.safe_load(path.read_text()) or {}).get("logging") or {}
+    return float(logging.get("ema_alpha", default))
 
 
 def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: float = 0.1,
@@ -100,12 +113,23 @@ def _grid(runs, main: list[str], alpha: float, path: Path) -> Path:
     return path
 
 
+def _band(ax, rows, metric: str, alpha: float, color: str) -> None:
+    """Shade the EMA-smoothed p10-p90 band around a `<name>_p50` quantile curve."""
+    if not metric.endswith("_p50"):
+        return
+    base = metric[: -len("_p50")]
+    (s_lo, lo), (s_hi, hi) = _series(rows, base + "_p10"), _series(rows, base + "_p90")
+    if s_lo and s_lo == s_hi:
+        ax.fill_between(s_lo, ema(lo, alpha), ema(hi, alpha), color=color, alpha=0.15, linewidth=0)
+
+
 def _draw(ax, runs, metric: str, alpha: float) -> None:
     for i, (label, rows) in enumerate(runs):
         steps, vals = _series(rows, metric)
         if not steps:
             continue
         color = f"C{i % 10}"
+        _band(ax, rows, metric, alpha, color)
         ax.plot(steps, vals, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, ema(vals, alpha), color=color, linewidth=1.8, label=label)
     ax.set_title(f"{metric} (EMA {alpha})")

@@ -22,7 +22,7 @@ from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.rewards import build_reward
 from megapkl.rollout.sample import Sample
 
-MAX_ROUNDS = 64  # dynamic sampling: global draws before giving up on filling a batch
+MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group ids of refill rounds
 
 
 class RolloutError(RuntimeError):
@@ -110,7 +110,8 @@ class RolloutStage:
         advantages (Sample.metadata['advantage'])."""
         kept: list[list[Sample]] = []
         drawn = 0
-        for rnd in range(MAX_ROUNDS):
+        rounds = self.cfg.advantage.max_fill_rounds
+        for rnd in range(rounds):
             idx = self.prompts.next_indices(self.cfg.rollout.prompts_per_batch)
             drawn += len(idx)
             mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
@@ -124,7 +125,7 @@ class RolloutStage:
         else:
             raise RolloutError(
                 f"dynamic sampling: fewer than {self.per_rank} prompt groups with non-constant "
-                f"rewards after {drawn} prompts ({MAX_ROUNDS} draws); the task is too easy or too "
+                f"rewards after {drawn} prompts ({rounds} draws, advantage.max_fill_rounds); the task is too easy or too "
                 "hard for the policy (advantage.filter_constant_groups)")
         samples = [s for members in kept[: self.per_rank] for s in members]
         self._advantages(samples)

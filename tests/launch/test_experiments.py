@@ -90,3 +90,84 @@ def test_paper_settings_spot_checks() -> None:
     c = cfg("tetpo/qwen3_1p7b_tetpo.yaml")
     assert (c.rollout.protocol, c.rollout.max_staleness, c.rollout.snapshot_pool) == ("uniform_stale", 32, 256)
     assert c.objective.kappa == 0.85
+
+
+def _sweep_lines(path: Path) -> list[str]:
+    """`# sweep: KEY=V1,V2 ...` header lines: the grid a run file is swept over (`megapkl sweep
+    FILE --grid KEY=V1,V2`), for figures whose runs differ in one value."""
+    return [ln.split(":", 1)[1].split() for ln in path.read_text().splitlines()
+            if ln.startswith("# sweep:")]
+
+
+SWEEPS = [p for p in RUNS if _sweep_lines(p)]
+
+
+def test_the_papers_sweeps_are_declared() -> None:
+    assert {_id(p) for p in SWEEPS} == {
+        "pkl_staleness/qwen3_1p7b_grpo_s4.yaml", "pkl_staleness/qwen3_1p7b_pkl_s4.yaml",
+        "sis_math/qwen3_8b_grpo_sis.yaml", "sis_math/qwen3_8b_dapo_sis.yaml", "sis_math/qwen3_8b_gspo_sis.yaml"}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=_id)
+def test_every_sweep_element_is_a_valid_run(path: Path) -> None:
+    from megapkl.config.typed import ConfigError
+    from megapkl.launch.sweep import grid_elements, parse_grid
+
+    for grid in _sweep_lines(path):
+        elements = grid_elements(parse_grid(grid))
+        assert len(elements) >= 2
+        for _, overrides in elements:
+            try:
+                cfg = load_config(path, overrides)
+            except ConfigError as e:  # name the element that failed
+                raise AssertionError(f"{_id(path)} {overrides}: {e}") from e
+            for ov in overrides:
+                key, value = ov.split("=", 1)
+                got = cfg
+                for part in key.split("."):
+                    got = getattr(got, part)
+                assert str(got) == value or got == (None if value == "null" else float(value)), (ov, got)
+
+
+def test_paper_values_fixed_against_the_papers() -> None:
+    def cfg(rel: str):
+        return load_config(ROOT / rel)
+
+    # SIS 4.1: "Avg@1 accuracy for most tasks and Avg@32 for the smaller AMC23, AIME24, and AIME25"
+    for run in ("sis_math/qwen3_8b_grpo.yaml", "sis_math/qwen3_30b_a3b_dapo_sis_r3.yaml"):
+        ev = {b.name: b for b in cfg(run).eval.resolved_benchmarks()}
+        assert {n: (b.greedy, b.n_samples) for n, b in ev.items()} == {
+            "math500": (False, 1), "amc23": (False, 32), "aime24": (False, 32), "aime25": (False, 32)}
+        assert (cfg(run).eval.temperature, cfg(run).eval.top_p) == (1.0, 0.7)
+    # SIS eq. 15: GRPO is a per-sequence mean; DAPO (eq. 34) a token mean.
+    for run in ("qwen3_8b_grpo", "qwen3_8b_grpo_sis", "qwen3_30b_a3b_grpo", "qwen3_30b_a3b_grpo_sis",
+                "qwen3_8b_grpo_n16", "qwen3_8b_pg", "qwen3_8b_no_is", "qwen3_8b_dppo_tv"):
+        assert cfg(f"sis_math/{run}.yaml").objective.aggregation == "seq_mean_token_mean", run
+    assert cfg("sis_math/qwen3_8b_dapo.yaml").objective.aggregation == "token_mean"
+    # TETPO App. B: eps_lo = eps_hi = 0.2 for every method, GSPO included.
+    for run in ("gspo", "grpo", "gepo", "tetpo"):
+        o = cfg(f"tetpo/qwen3_1p7b_{run}.yaml").objective
+        assert (o.eps_clip_low, o.eps_clip_high) == (0.2, 0.2), run
+    # SIS Table 8: N minibatches of 256 prompts.
+    for n in (8, 16):
+        ro = cfg(f"sis_math/qwen3_8b_gspo_sis_n{n}.yaml").rollout
+        assert (ro.minibatches_per_batch, ro.prompts_per_batch) == (n, 256 * n)
+    # SIS Table 2 variants.
+    assert cfg("sis_math/qwen3_8b_no_is.yaml").objective.beta == 0.0
+    assert tuple(cfg("sis_math/qwen3_8b_cispo.yaml").objective.is_clip) == (0.0, 1.28)
+    assert cfg("sis_math/qwen3_8b_dppo_tv.yaml").rollout.topk_logprobs == 10
+    assert cfg("sis_math/qwen3_8b_pg_sis.yaml").objective.sis.enabled
+    # PKL Table 1 / ablations.
+    c = cfg("pkl_staleness/qwen3_1p7b_pkl_s0_mb4.yaml")
+    assert (c.rollout.minibatches_per_batch, c.rollout.max_staleness, c.objective.beta,
+            c.objective.cost_clip, c.reference.refresh_every) == (4, 0, 0.03, None, 50)
+    assert cfg("pkl_staleness/qwen3_1p7b_grpo_s0_mb4.yaml").rollout.minibatches_per_batch == 4
+    for run in ("grpo_s4_lr1e-5", "pkl_s4_lr1e-5", "pg_s4_lr1e-5", "pg_s16_lr1e-5"):
+        assert cfg(f"pkl_staleness/qwen3_1p7b_{run}.yaml").train.lr == 1e-5, run
+    assert cfg("pkl_staleness/qwen3_1p7b_pkl_s4_perturb.yaml").advantage.perturb_baseline
+    assert not cfg("pkl_staleness/qwen3_1p7b_pkl_s4.yaml").advantage.perturb_baseline
+    c = cfg("pkl_staleness/qwen3_1p7b_pkl_h1_b480_s4.yaml").objective
+    assert (c.horizon, c.beta) == (1, 4.8)
+    c = cfg("pkl_staleness/qwen3_1p7b_grpo_s4_lr1e-5_clip04.yaml")
+    assert (c.objective.eps_clip_low, c.objective.eps_clip_high, c.train.lr) == (0.4, 0.4, 1e-5)
+    assert cfg("pkl_staleness/qwen3_1p7b_seq_is_s16.yaml").rollout.max_staleness == 16

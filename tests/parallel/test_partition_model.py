@@ -29,6 +29,7 @@ CASES = [
     {"name": "gspo", "sis": SIS},
     {"name": "pg", "kl_init_coef": 0.1}, {"name": "grpo", "entropy_coef": 0.05},
     {"name": "cispo", "kl_init_coef": 0.05, "entropy_coef": -0.02, "aggregation": "seq_mean_token_mean"},
+    {"name": "dppo_tv", "tv_delta": 0.3}, {"name": "clip_cov", "cov_omega": 0.2},
 ]
 STEP = 3
 

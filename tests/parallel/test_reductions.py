@@ -26,6 +26,7 @@ CASES = [
     {"name": "proximal_kl", "horizon": 5, "sis": {"enabled": True, "top_k": 3}},
     {"name": "gspo", "sis": {"enabled": True, "top_k": 3}},
     {"name": "pg", "kl_init_coef": 0.1, "aggregation": "seq_mean_token_mean"},
+    {"name": "dppo_tv", "tv_delta": 0.2}, {"name": "clip_cov"}, {"name": "clip_cov", "cov_omega": 0.3},
 ]
 CP, DP, MICRO = 2, 2, 2
 
@@ -104,14 +105,16 @@ def worker(rank, world_size, cases):
         base = [R.shard_context(cfg, response_index=s["response_index"], positions=s["positions"],
                                 response_lengths=ln, cp_group=cp_group, num_tokens=n_tok,
                                 num_responses=n_resp) for s, _, ln in shards]
-        table = m2 = None
+        table = m2 = means = None
         if R.needs_prepass(cfg):
             pre = [R.prepass_statistics(cfg, to_batch(s, False), ctx) for (s, _, _), ctx in zip(shards, base)]
             table = R.gather_response_table([p[0] for p in pre], dp_group)
             m2 = R.gather_token_values([p[1] for p in pre], dist.group.WORLD)
+            if cfg.name == "clip_cov":  # (log pi, A) of every token -> the minibatch means
+                m2, means = None, m2.mean(0)
         parts, loss, coef, grad, flats = MetricParts(), 0.0, [], [], []
         for (s, flat, _), ctx in zip(shards, base):
-            ctx.response_table, ctx.m2_values = table, m2
+            ctx.response_table, ctx.m2_values, ctx.token_means = table, m2, means
             b = to_batch(s)
             out = policy_loss(cfg, b, ctx)
             out.loss.backward()

@@ -29,11 +29,12 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "gspo", "tetpo",
-              "gepo", "m2po")
-TOKEN_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po")
+              "gepo", "m2po", "dppo_tv", "clip_cov")
+TOKEN_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po",
+                    "dppo_tv", "clip_cov")
 SEQ_OBJECTIVES = ("gspo", "tetpo", "gepo")
 CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
-CLIP_OBJECTIVES = ("grpo", "dapo", "gspo", "tetpo", "gepo", "cispo")
+CLIP_OBJECTIVES = ("grpo", "dapo", "gspo", "tetpo", "gepo", "cispo", "dppo_tv", "clip_cov")
 
 DEFAULT_AGG = {"gspo": "seq_mean_token_mean", "gepo": "seq_mean_token_mean", "tetpo": "seq_mean"}
 DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
@@ -86,7 +87,7 @@ def resolve_cfg(cfg: Mapping[str, Any]) -> dict:
         "name": "proximal_kl", "aggregation": None, "beta": 0.30, "horizon": "full",
         "cost_clip": 0.05, "tail": "none", "eps_clip_low": None, "eps_clip_high": None,
         "is_clip": (0.0, 5.0), "kappa": 0.85, "bisection_steps": 24, "m2_threshold": 0.04,
-        "sis": {"enabled": False, "top_k": 10}, "kl_init_coef": 0.0, "entropy_coef": 0.0, "seed": 0,
+        "tv_delta": 0.15, "cov_omega": 1.0, "sis": {"enabled": False, "top_k": 10}, "kl_init_coef": 0.0, "entropy_coef": 0.0, "seed": 0,
         "norm_constant": None,
     }
     for k, v in dict(cfg).items():
@@ -298,6 +299,41 @@ def naive_m2po_mask(delta, tau: float) -> list[float]:
     return mask
 
 
+def naive_quantiles(name: str, values) -> dict:
+    """p10 / p50 / p90 with linear interpolation between order statistics."""
+    v = sorted(float(x) for x in values)
+    out = {}
+    for q, tag in ((0.1, "p10"), (0.5, "p50"), (0.9, "p90")):
+        pos = q * (len(v) - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, len(v) - 1)
+        out[f"{name}_{tag}"] = v[lo] + (pos - lo) * (v[hi] - v[lo])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Table 2 masks of the SIS paper (eq. 37, 38)
+# --------------------------------------------------------------------------------------------------
+def naive_tv(topk_logp_row, topk_logp_behav_row) -> float:
+    """Eq. 37 on the behavior top-K ids, the rest of the vocabulary merged into one extra bin."""
+    pi = [math.exp(float(x)) for x in topk_logp_row]
+    mu = [math.exp(float(x)) for x in topk_logp_behav_row]
+    dist = 0.0
+    for a, b in zip(pi, mu):
+        dist += abs(a - b)
+    pi_rest, mu_rest = 1.0 - sum(pi), 1.0 - sum(mu)
+    dist += abs(pi_rest - mu_rest)
+    return dist / 2.0
+
+
+def naive_cov(logp, adv_tok) -> list[float]:
+    """Eq. 38: (log pi - batch mean log pi)(A - batch mean A), means over all tokens."""
+    n = len(logp)
+    mean_lp = sum(logp) / n
+    mean_a = sum(adv_tok) / n
+    return [(logp[t] - mean_lp) * (adv_tok[t] - mean_a) for t in range(n)]
+
+
 # --------------------------------------------------------------------------------------------------
 # SIS (SPEC 4.3)
 # --------------------------------------------------------------------------------------------------
@@ -393,8 +429,19 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
     clipped = [0] * N
     metrics: dict[str, float] = {}
 
-    if name in ("pg", "grpo", "dapo", "cispo", "proximal_kl", "seq_is", "is_free", "m2po"):
+    if name in TOKEN_OBJECTIVES:
         m2mask = naive_m2po_mask(delta, float(cfg["m2_threshold"])) if name == "m2po" else None
+        keep = [1.0] * N   # Table 2 masks (1 = the token keeps its gradient)
+        if name == "dppo_tv":
+            tkp, tkb = _list(batch["topk_logp"]), _list(batch["topk_logp_behav"])
+            tvs = [naive_tv(tkp[t], tkb[t]) for t in range(N)]
+            keep = [1.0 if tvs[t] <= float(cfg["tv_delta"]) else 0.0 for t in range(N)]
+            metrics["dppo/tv"] = sum(tvs) / N
+            metrics["dppo/mask_frac"] = sum(1 for k in keep if k == 0.0) / N
+        if name == "clip_cov":
+            covs = naive_cov(logp, adv_tok)
+            keep = [1.0 if covs[t] <= float(cfg["cov_omega"]) else 0.0 for t in range(N)]
+            metrics["clip_cov/mask_frac"] = sum(1 for k in keep if k == 0.0) / N
         gm = [0.0] * M
         if name == "seq_is":
             for m, toks in enumerate(resp):
@@ -408,14 +455,14 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                 if name == "pg":
                     wt = 1.0 if z[t] else w[t]
                     c, val = wt * a, wt * a
-                elif name in ("grpo", "dapo"):
+                elif name in ("grpo", "dapo", "dppo_tv", "clip_cov"):
                     if z[t]:
                         c, val = a, a
                     else:
                         act = active(rho[t], a, lo, hi)
                         clipped[t] = 0 if act else 1
-                        c = w[t] * a * (1.0 if act else 0.0)
-                        val = rfac[t] * clipped_term(rho[t], a, lo, hi)
+                        c = keep[t] * w[t] * a * (1.0 if act else 0.0)
+                        val = keep[t] * rfac[t] * clipped_term(rho[t], a, lo, hi)
                 elif name == "cispo":
                     clo, chi = float(cfg["is_clip"][0]), float(cfg["is_clip"][1])
                     if z[t]:
@@ -474,6 +521,9 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
             metrics["tetpo/tempered_frac"] = sum(1 for a in alphas if a < 1.0) / len(alphas)
             metrics["tetpo/ess_frac_before"] = sum(v[1] for v in per_group.values()) / len(alphas)
             metrics["tetpo/ess_frac_after"] = sum(v[2] for v in per_group.values()) / len(alphas)
+            metrics.update(naive_quantiles("tetpo/alpha", alphas))
+            metrics.update(naive_quantiles("tetpo/ess_frac_before", [v[1] for v in per_group.values()]))
+            metrics.update(naive_quantiles("tetpo/ess_frac_after", [v[2] for v in per_group.values()]))
         elif name == "gepo":
             Lpi, Lmu = [], []
             for toks in resp:
@@ -549,6 +599,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                                          sum(1 for x in lvec if abs(x) > float(ec)) / N)
         metrics["pkl/credit_mean"] = sum(C) / N
         metrics["pkl/credit_abs_max"] = max(abs(c) for c in C)
+        metrics.update(naive_quantiles("pkl/credit", C))
     if sis_on:
         metrics["sis/accept_rate"] = sum(z) / N
         dv = 0.0
@@ -561,6 +612,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
         for t in range(N):
             xi += 1.0 - sum(math.exp(float(v)) for v in tkp[t])
         metrics["sis/xi_k"] = xi / N
+        metrics.update(naive_quantiles("sis/accept_rate", [sum(z[t] for t in toks) / len(toks) for toks in resp]))
 
     extras = {"z": z, "C": C, "f": f, "T": T, "A": A}
     naive_policy_loss.last_extras = extras  # for tests that want intermediate values
@@ -574,15 +626,22 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
     names = set(COMMON_METRICS)
     if name in CLIP_OBJECTIVES:
         names.add("clip/frac")
+    q = ("_p10", "_p50", "_p90")
     if name in CREDIT_OBJECTIVES:
         names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
+        names |= {"pkl/credit" + s for s in q}
     if cfg["sis"]["enabled"]:
-        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"}
+        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"} | {"sis/accept_rate" + s for s in q}
     if name == "tetpo":
         names |= {"tetpo/alpha_mean", "tetpo/alpha_min", "tetpo/tempered_frac",
                   "tetpo/ess_frac_before", "tetpo/ess_frac_after"}
+        names |= {f"tetpo/{m}{s}" for m in ("alpha", "ess_frac_before", "ess_frac_after") for s in q}
     if name == "m2po":
         names.add("m2po/mask_frac")
+    if name == "dppo_tv":
+        names |= {"dppo/mask_frac", "dppo/tv"}
+    if name == "clip_cov":
+        names.add("clip_cov/mask_frac")
     if has_entropy:
         names.add("entropy")
     return names

@@ -43,6 +43,8 @@ OBJECTIVE_RUNS = [
     ("proximal_kl_sis", ["objective.sis.enabled=true", "objective.sis.top_k=4"], PKL | SIS),
     ("gspo_sis", ["objective.sis.enabled=true", "objective.sis.top_k=4"], CLIP | SIS),
     ("pg_entropy_kl", ["objective.entropy_coef=0.01", "objective.kl_init_coef=0.01"], {"entropy", "kl/init_k3"}),
+    ("dppo_tv", ["objective.tv_delta=0.01"], CLIP | {"dppo/mask_frac", "dppo/tv"}),
+    ("clip_cov", ["objective.cov_omega=0.0"], CLIP | {"clip_cov/mask_frac"}),
 ]
 
 

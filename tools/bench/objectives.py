@@ -28,6 +28,8 @@ CASES = {
     "tetpo (24 steps)": {"name": "tetpo", "bisection_steps": 24},
     "gepo": {"name": "gepo"},
     "m2po": {"name": "m2po"},
+    "dppo_tv (K=10)": {"name": "dppo_tv"},
+    "clip_cov": {"name": "clip_cov"},
     "grpo + sis K=10": {"name": "grpo", "sis": {"enabled": True, "top_k": 10}},
     "proximal_kl + sis K=10": {"name": "proximal_kl", "sis": {"enabled": True, "top_k": 10}},
     "gspo + sis K=10": {"name": "gspo", "sis": {"enabled": True, "top_k": 10}},
