@@ -170,6 +170,15 @@ def recompute_flags(recompute: str, num_layers: int) -> dict[str, Any]:
     raise SpecError(f"recompute: must be none|selective|full, got {recompute!r}")
 
 
+def engine_placement(dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the embedded rollout engine's weights for a `model.dtype`: this rank's
+    GPU in the model's dtype (what SGLang would run), else the CPU in fp32 (CPU bf16 inference is
+    slow, and bf16 weights upcast exactly, so rollouts still come from the trained weights)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), DTYPES[dtype]
+    return torch.device("cpu"), torch.float32
+
+
 # ------------------------------------------------------------------ parallel sizes
 
 
