@@ -110,3 +110,18 @@ def test_bf16_training_keeps_fp32_main_weights(dist_run, dense_ckpt):
         assert out["engine_exact"]  # bf16 -> fp32 engine weights upcast exactly
         # The fp32 engine vs the bf16 megatron forward: bf16 rounding of activations only.
         assert out["engine_logit_err"] < 0.05 * max(1.0, out["logits_scale"])
+
+
+def test_submit_records_the_profile_constraint():
+    """`megapkl submit --profile` validates the run against the profile's GPU type."""
+    from types import SimpleNamespace
+
+    from megapkl.launch.submit import shape_overrides
+
+    prof = SimpleNamespace(constraint="v100", uses_gpus=False)
+    extra = shape_overrides(SimpleNamespace(slurm_explicit={}), prof, "old_gpus")
+    assert "slurm.constraint=v100" in extra
+    with pytest.raises(ConfigError, match="model.dtype: bf16 needs Ampere"):
+        config_from_dict({**BASE, "model": {"dtype": "bf16"}}, extra)
+    assert "slurm.constraint=v100" not in shape_overrides(
+        SimpleNamespace(slurm_explicit={"constraint": "a100"}), prof, "old_gpus")
