@@ -41,21 +41,6 @@ def bf16_constraint_error(constraint: Optional[str]) -> Optional[str]:
             f"{found.group(0)} (no bf16); set model.dtype: fp32 or choose other GPUs")
 
 
-def check_dtype_on_this_machine(model: "ModelConfig") -> None:
-    """Refuse model.dtype bf16 on this machine's GPU when it has no bf16 (called by the trainer
-    before any process group starts; the config itself never imports torch)."""
-    if model.dtype != "bf16":
-        return
-    import torch
-
-    from megapkl.config.typed import ConfigError
-
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    problem = bf16_gpu_error(capability)
-    if problem:
-        raise ConfigError(problem, "model.dtype")
-
-
 @dataclass
 class ModelConfig:
     """Which policy model to train.

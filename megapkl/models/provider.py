@@ -170,6 +170,20 @@ def recompute_flags(recompute: str, num_layers: int) -> dict[str, Any]:
     raise SpecError(f"recompute: must be none|selective|full, got {recompute!r}")
 
 
+def check_dtype_on_this_machine(model_cfg: Any) -> None:
+    """Refuse `model.dtype: bf16` (a ConfigError naming the key) when this machine's GPU has no
+    bf16; the trainer calls it before any process group starts."""
+    from megapkl.config import ConfigError
+    from megapkl.config.sections import bf16_gpu_error
+
+    if model_cfg.dtype != "bf16":
+        return
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problem = bf16_gpu_error(capability)
+    if problem:
+        raise ConfigError(problem, "model.dtype")
+
+
 def engine_placement(dtype: str) -> tuple[torch.device, torch.dtype]:
     """Device and dtype of the embedded rollout engine's weights for a `model.dtype`: this rank's
     GPU in the model's dtype (what SGLang would run), else the CPU in fp32 (CPU bf16 inference is

@@ -39,7 +39,7 @@ def init_groups(cfg):
     """megatron process groups for the run's layout (torch.distributed started if needed)."""
     import os
 
-    from megapkl.config.sections import check_dtype_on_this_machine
+    from megapkl.models.provider import check_dtype_on_this_machine
     from megapkl.parallel.groups import init_parallel
 
     check_dtype_on_this_machine(cfg.model)  # before any process group starts

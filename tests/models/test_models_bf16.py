@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megapkl.config import ConfigError, config_from_dict
-from megapkl.config.sections import (ModelConfig, bf16_constraint_error, bf16_gpu_error,
-                                     check_dtype_on_this_machine)
+from megapkl.config.sections import ModelConfig, bf16_constraint_error, bf16_gpu_error
+from megapkl.models.provider import check_dtype_on_this_machine
 
 # ---------------------------------------------------------------- validation
 
