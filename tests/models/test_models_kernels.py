@@ -101,8 +101,13 @@ def _logits_and_grads(ckpt, opts: ModelOptions, plan=None):
 
 
 def _plans_worker(rank, world_size, ckpt):
+    import torch._dynamo
+
     from megapkl.parallel.groups import init_parallel
 
+    # megatron wraps its fused SwiGLU / bias-dropout in torch.compile: the same functions run
+    # eagerly here (compiling them with the CPU C++ backend would take a minute of CI).
+    torch._dynamo.config.disable = True
     init_parallel(seed=1)
     cpu = _logits_and_grads(ckpt, ModelOptions())
     gpu_plan = _logits_and_grads(ckpt, ModelOptions(), plan=kernel_plan(cuda=True, te=False))
