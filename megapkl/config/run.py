@@ -213,5 +213,13 @@ def _check_eval(cfg: RunConfig, err) -> None:
                 f"eval.benchmarks[{i}]", "eval.greedy", "eval.n_samples")
 
 
+def _check_dtype(cfg: RunConfig, err) -> None:
+    from megapkl.config.sections import bf16_constraint_error
+
+    problem = cfg.model.dtype == "bf16" and bf16_constraint_error(cfg.slurm.constraint)
+    if problem:
+        err(problem, "model.dtype", "slurm.constraint")
+
+
 _RULES = (_check_world, _check_moe, _check_layers, _check_batch, _check_advantage,
-          _check_reference, _check_sis, _check_reward, _check_eval)
+          _check_reference, _check_sis, _check_reward, _check_eval, _check_dtype)

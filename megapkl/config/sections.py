@@ -17,6 +17,30 @@ from megapkl.config.typed import rng
 _MOE_NAME = re.compile(r"moe|\d+(\.\d+)?b-a\d+(\.\d+)?b", re.IGNORECASE)
 
 
+# GPUs without bf16 arithmetic (compute capability < 8.0), as Slurm constraints name them.
+_NO_BF16_GPU = re.compile(r"(?<![a-z0-9])(v100|p100|p40|p4|t4|k80|k40|m60|titan-?v|rtx-?20\d0|"
+                          r"gtx-?1\d\d0)(?![a-z0-9])", re.IGNORECASE)
+
+
+def bf16_gpu_error(capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """Why model.dtype bf16 cannot run on a GPU of this compute capability (None: no GPU, where
+    torch's CPU bf16 kernels run), or None when it can."""
+    if capability is None or tuple(capability) >= (8, 0):
+        return None
+    major, minor = capability
+    return (f"bf16 needs a GPU of compute capability >= 8.0 (A100, H100 or newer), this one has "
+            f"{major}.{minor}; set model.dtype: fp32")
+
+
+def bf16_constraint_error(constraint: Optional[str]) -> Optional[str]:
+    """Why bf16 cannot run on the GPUs a Slurm constraint names (V100, T4, ...), or None."""
+    found = _NO_BF16_GPU.search(constraint or "")
+    if not found:
+        return None
+    return (f"bf16 needs Ampere or newer GPUs, but slurm.constraint '{constraint}' selects "
+            f"{found.group(0)} (no bf16); set model.dtype: fp32 or choose other GPUs")
+
+
 @dataclass
 class ModelConfig:
     """Which policy model to train.
@@ -30,7 +54,10 @@ class ModelConfig:
     name: str = "qwen3-1.7b"
     hf_checkpoint: Optional[str] = None  # HF directory or hub id to import weights from
     tokenizer: Optional[str] = None  # defaults to hf_checkpoint
-    dtype: Literal["bf16", "fp32"] = "bf16"  # PKL B.2: BF16 optimization
+    # PKL B.2: BF16 optimization (bf16 weights, fp32 main weights/grads in the optimizer, fp32
+    # log-probs). The default for GPU runs; the CPU demo and tests use fp32 (exact comparisons,
+    # and CPU bf16 matmuls are slower than fp32 ones). Needs Ampere+ on GPU (checked).
+    dtype: Literal["bf16", "fp32"] = "bf16"
     num_layers: Optional[int] = field(default=None, metadata=rng(1))
     hidden_size: Optional[int] = field(default=None, metadata=rng(1))
     num_experts: Optional[int] = field(default=None, metadata=rng(1))

@@ -239,10 +239,13 @@ def make_spec(prep: PreparedRun, prof: ClusterProfile, entry: str,
 
 def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) -> list[str]:
     """Record the job shape in the run config (so its world-size rules check the parallel layout
-    against the real job): slurm.profile, and nodes/gpus_per_node on GPU profiles unless set."""
+    against the real job): slurm.profile, the profile's constraint (GPU type: model.dtype bf16 is
+    refused on GPUs without it), and nodes/gpus_per_node on GPU profiles unless set."""
     extra = []
     if "profile" not in prep.slurm_explicit:
         extra.append(f"slurm.profile={profile_name}")
+    if prof.constraint and "constraint" not in prep.slurm_explicit:  # GPU type: dtype rules
+        extra.append(f"slurm.constraint={prof.constraint}")
     if prof.uses_gpus:
         for key, value in (("nodes", prof.nodes), ("gpus_per_node", prof.job_gpus_per_node)):
             if key not in prep.slurm_explicit:

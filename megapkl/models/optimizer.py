@@ -4,6 +4,7 @@ The pieces the trainer calls around megatron's forward/backward schedules:
 
     ddp = wrap_ddp(chunks, settings)              # grads accumulate in fp32 DDP buffers
     opt = build_optimizer(ddp, settings)          # Adam; fp32 main weights for BF16 params
+    main_params(opt)                              # what Adam updates (fp32 in every dtype)
     sched = build_scheduler(opt, settings)        # constant LR, optional warmup / cosine
     attach_to_config(ddp, opt)                    # schedules: no_sync, finalize, loss scale
     zero_grads(ddp, opt)
@@ -207,6 +208,13 @@ def optimizer_step(optimizer: Any, scheduler: Any = None) -> StepStats:
         scheduler.step(increment=1)
     norm = None if grad_norm is None else float(grad_norm)
     return StepStats(bool(ok), norm, None if zeros is None else int(zeros), float(lr))
+
+
+def main_params(optimizer: Any) -> List[torch.Tensor]:
+    """The tensors Adam updates (this rank's shards under the distributed optimizer): fp32
+    copies of bf16 model parameters, or the fp32 parameters themselves."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [p for part in parts for group in part.optimizer.param_groups for p in group["params"]]
 
 
 def current_lr(optimizer: Any) -> float:

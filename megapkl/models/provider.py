@@ -1,11 +1,21 @@
 """Build a megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE `ModelSpec`.
 
-Two layer specs:
-- Transformer Engine's (GPU) when `transformer_engine` imports: fused norm+linear, grouped
-  expert GEMMs. Imported lazily; never required.
-- megatron-core's local spec otherwise (CPU), with its norms replaced by `QwenRMSNorm` below:
-  megatron's torch norm refuses sequence parallelism, and ours also computes exactly like the
-  Hugging Face Qwen3 RMSNorm (fp32 statistics, cast back before the weight).
+Which kernels run is one decision, `kernel_plan(cuda=..., te=..., ...)` (pure, tested on CPU):
+- CUDA + Transformer Engine: TE's layer spec (fused norm+linear, flash/fused attention, TE's own
+  ring attention for context parallelism, grouped expert GEMMs), fused RoPE, fused bias+SwiGLU
+  and bias+dropout, gradient-accumulation fusion when apex's wgrad kernel is installed.
+- CUDA without TE: megatron-core's local spec with torch SDPA attention
+  (`megapkl.models.attention.SDPAttention`: the causal flash/mem-efficient kernels) and the
+  jit-fused bias+SwiGLU / bias+dropout; context parallelism needs TE there.
+- CPU: the local spec with every fusion off, megatron's attention at CP=1 and the project's
+  all-gather CP attention (`megapkl.parallel.cp_attention`) at CP>1.
+The local spec's norms are replaced by `QwenRMSNorm` below: megatron's torch norm refuses
+sequence parallelism, and ours also computes exactly like the Hugging Face Qwen3 RMSNorm (fp32
+statistics, cast back before the weight).
+
+Precision: `dtype="bf16"` builds bf16 parameters; the optimizer keeps fp32 main weights and the
+DDP buffers fp32 gradients (`megapkl.models.optimizer`); log-probs are computed in fp32 from the
+bf16 logits (`megapkl.parallel.vocab`).
 
 Parallel sizes come from megatron's `parallel_state` (initialised by
 `megapkl.parallel.groups.init_parallel`) and are checked against the architecture first
@@ -74,12 +84,113 @@ def te_available() -> bool:
     return True
 
 
-def _use_te(opts: ModelOptions) -> bool:
-    if opts.use_te is None:
-        return te_available()
-    if opts.use_te and not te_available():
+@functools.lru_cache(maxsize=1)
+def fused_wgrad_available() -> bool:
+    """apex's `fused_weight_gradient_mlp_cuda`: megatron's own linear layers (the output layer
+    even under the TE spec) refuse gradient-accumulation fusion without it."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Which layer spec, attention and fused kernels a model is built with."""
+
+    layer_spec: str  # "te" | "local"
+    attention: str  # "te" (flash/fused, ring CP) | "sdpa" (torch SDPA) | "megatron_or_allgather"
+    bias_activation_fusion: bool = False  # fused (bias+)SwiGLU
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False  # TE's fused RoPE kernel
+    gradient_accumulation_fusion: bool = False  # wgrad GEMM accumulates into fp32 main_grad
+    moe_grouped_gemm: bool = False
+    cp_comm_type: Optional[str] = None  # TE's CP attention: "p2p" = ring
+
+    @property
+    def use_te(self) -> bool:
+        return self.layer_spec == "te"
+
+    def config_flags(self) -> dict[str, Any]:
+        """The TransformerConfig fields this plan sets."""
+        return dict(
+            bias_activation_fusion=self.bias_activation_fusion,
+            bias_dropout_fusion=self.bias_dropout_fusion,
+            apply_rope_fusion=self.apply_rope_fusion,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            masked_softmax_fusion=False,  # only megatron's unfused attention reads it (CPU path)
+            persist_layer_norm=False,  # apex LayerNorm only; Qwen uses RMSNorm
+            cp_comm_type=self.cp_comm_type,
+        )
+
+
+def kernel_plan(*, cuda: bool, te: bool, use_te: Optional[bool] = None, cp: int = 1,
+                fused_wgrad: bool = False) -> KernelPlan:
+    """The kernels for a machine: `cuda` (a GPU is present), `te` (Transformer Engine imports),
+    `use_te` (ModelOptions.use_te: None = TE when available), `cp` (context-parallel size),
+    `fused_wgrad` (apex's wgrad-accumulation kernel imports). Pure: tested without a GPU."""
+    if use_te and not (cuda and te):
         raise SpecError("use_te: Transformer Engine was requested but does not import (or no GPU)")
-    return opts.use_te
+    if cuda and te and use_te is not False:
+        return KernelPlan(layer_spec="te", attention="te", bias_activation_fusion=True,
+                          bias_dropout_fusion=True, apply_rope_fusion=True,
+                          gradient_accumulation_fusion=fused_wgrad, moe_grouped_gemm=True,
+                          cp_comm_type="p2p" if cp > 1 else None)
+    if cuda:
+        if cp > 1:
+            raise SpecError(f"parallel.context ({cp}) > 1 on GPU needs Transformer Engine (its ring "
+                            "attention); the all-gather CP attention is the CPU path only")
+        # jit-fused SwiGLU / bias-dropout need no TE; RoPE and wgrad fusion do.
+        return KernelPlan(layer_spec="local", attention="sdpa", bias_activation_fusion=True,
+                          bias_dropout_fusion=True)
+    return KernelPlan(layer_spec="local", attention="megatron_or_allgather")
+
+
+def plan_for(opts: "ModelOptions", cp: int = 1) -> KernelPlan:
+    """`kernel_plan` for this machine."""
+    cuda = torch.cuda.is_available()
+    return kernel_plan(cuda=cuda, te=te_available(), use_te=opts.use_te, cp=cp,
+                       fused_wgrad=cuda and fused_wgrad_available())
+
+
+def recompute_flags(recompute: str, num_layers: int) -> dict[str, Any]:
+    """megatron's activation-recompute fields for `model.recompute`.
+
+    selective: the attention core only (megatron's default module list), the cheap-to-recompute,
+    memory-heavy part. full: every layer's input is kept and the whole layer recomputed in
+    backward (uniform method, one layer per checkpoint)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)
+    raise SpecError(f"recompute: must be none|selective|full, got {recompute!r}")
+
+
+def check_dtype_on_this_machine(model_cfg: Any) -> None:
+    """Refuse `model.dtype: bf16` (a ConfigError naming the key) when this machine's GPU has no
+    bf16; the trainer calls it before any process group starts."""
+    from megapkl.config import ConfigError
+    from megapkl.config.sections import bf16_gpu_error
+
+    if model_cfg.dtype != "bf16":
+        return
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problem = bf16_gpu_error(capability)
+    if problem:
+        raise ConfigError(problem, "model.dtype")
+
+
+def engine_placement(dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the embedded rollout engine's weights for a `model.dtype`: this rank's
+    GPU in the model's dtype (what SGLang would run), else the CPU in fp32 (CPU bf16 inference is
+    slow, and bf16 weights upcast exactly, so rollouts still come from the trained weights)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), DTYPES[dtype]
+    return torch.device("cpu"), torch.float32
 
 
 # ------------------------------------------------------------------ parallel sizes
@@ -116,15 +227,23 @@ def sizes_from_megatron() -> ParallelSizes:
 
 
 def transformer_config(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
-                       sizes: Optional[ParallelSizes] = None):
-    """The megatron `TransformerConfig` for `spec` under `sizes` (default: megatron's state)."""
+                       sizes: Optional[ParallelSizes] = None, plan: Optional[KernelPlan] = None):
+    """The megatron `TransformerConfig` for `spec` under `sizes` (default: megatron's state)
+    with the kernels of `plan` (default: this machine's `plan_for(opts)`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     sizes = sizes or sizes_from_megatron()
     check_layout(spec, tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, etp=sizes.etp, cp=sizes.cp,
                  vpp=opts.virtual_pipeline, sequence_parallel=opts.sequence_parallel)
+    plan = plan or plan_for(opts, sizes.cp)
+    return TransformerConfig(**config_kwargs(spec, opts, sizes, plan,
+                                             on_gpu=torch.cuda.is_available()))
+
+
+def config_kwargs(spec: ModelSpec, opts: ModelOptions, sizes: ParallelSizes, plan: KernelPlan,
+                  on_gpu: bool) -> dict[str, Any]:
+    """The TransformerConfig arguments (pure: no megatron state, no device query)."""
     dtype = DTYPES[opts.dtype]
-    on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -152,21 +271,14 @@ def transformer_config(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        # Fused kernels are CUDA (or apex) only; the torch paths compute the same thing.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        # Fused kernels where the machine has them (kernel_plan); the torch paths compute the
+        # same thing on CPU.
+        **plan.config_flags(),
         calculate_per_token_loss=opts.per_token_loss,
         # On gloo, batched p2p gives wrong results with interleaved pipelines (see notes).
         batch_p2p_comm=on_gpu,
     )
-    if opts.recompute != "none":
-        kwargs.update(recompute_granularity=opts.recompute)
-        if opts.recompute == "full":
-            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(recompute_flags(opts.recompute, spec.num_layers))
     if spec.is_moe:
         kwargs.update(
             num_moe_experts=spec.num_experts,
@@ -181,13 +293,13 @@ def transformer_config(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
             moe_router_dtype="fp32",  # routing decisions must not flip with BF16 rounding
             moe_token_dispatcher_type=opts.moe_dispatcher or ("alltoall" if on_gpu
                                                               else "allgather"),
-            moe_grouped_gemm=_use_te(opts),
+            moe_grouped_gemm=plan.moe_grouped_gemm,
             moe_enable_routing_replay=opts.routing_replay,
             moe_permute_fusion=False,
         )
     elif opts.routing_replay:
         raise SpecError(f"{spec.name}: routing_replay needs an MoE model, this one is dense")
-    return TransformerConfig(**kwargs)
+    return kwargs
 
 
 # ------------------------------------------------------------------ layer specs
@@ -240,8 +352,9 @@ def _replace_norms(spec: Any, old: type, new: type) -> Any:
     return spec
 
 
-def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
-    """The transformer-layer ModuleSpec (TE or local) for one decoder layer."""
+def layer_spec(spec: ModelSpec, config: Any, use_te: bool, attention: Optional[str] = None):
+    """The transformer-layer ModuleSpec (TE or local) for one decoder layer; `attention` is
+    `KernelPlan.attention` ("sdpa": torch SDPA core attention in the local spec)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     num_experts = spec.num_experts if spec.is_moe else None
@@ -254,7 +367,12 @@ def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
     local = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
         normalization="RMSNorm")
-    if config.context_parallel_size > 1:
+    if attention == "sdpa":  # GPU without TE: torch's flash / memory-efficient kernels
+        from megapkl.models.attention import SDPAttention
+        from megapkl.parallel.cp_attention import replace_core_attention
+
+        local = replace_core_attention(local, SDPAttention)
+    elif config.context_parallel_size > 1:
         # megatron's local attention refuses CP; ours all-gathers K/V over the CP group (CPU path).
         from megapkl.parallel.cp_attention import replace_core_attention
 
@@ -263,14 +381,14 @@ def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
 
 
 def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[int],
-               pp_rank: int):
+               pp_rank: int, attention: Optional[str] = None):
     """Decoder block spec: the layer spec repeated for this stage, plus the final norm."""
     if use_te:
         return layer_spec(spec, config, use_te)  # the block picks TE's norm for the final layer
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
 
-    layer = layer_spec(spec, config, use_te)
+    layer = layer_spec(spec, config, use_te, attention)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
@@ -279,24 +397,27 @@ def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[in
 
 
 def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
-                vp_stage: Optional[int] = None, config: Any = None):
+                vp_stage: Optional[int] = None, config: Any = None,
+                plan: Optional[KernelPlan] = None):
     """One megatron `GPTModel` chunk for this rank's pipeline stage (and virtual stage).
 
     Weights are megatron's random init (seeded by `init_parallel(seed=...)`); load a
-    Hugging Face checkpoint with `megapkl.models.hf.load_hf_weights`.
+    Hugging Face checkpoint with `megapkl.models.hf.load_hf_weights`. `plan` (default: this
+    machine's) must be the one `config` was made with.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
     sizes = sizes_from_megatron()
-    config = config or transformer_config(spec, opts, sizes)
-    use_te = _use_te(opts)
+    plan = plan or plan_for(opts, sizes.cp)
+    config = config or transformer_config(spec, opts, sizes, plan)
     vpp = opts.virtual_pipeline
     first = sizes.pp_rank == 0 and (vpp is None or is_vp_first_stage(vp_stage, vpp))
     last = sizes.pp_rank == sizes.pp - 1 and (vpp is None or is_vp_last_stage(vp_stage, vpp))
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(spec, config, use_te, vp_stage, sizes.pp_rank),
+        transformer_layer_spec=block_spec(spec, config, plan.use_te, vp_stage, sizes.pp_rank,
+                                          plan.attention),
         vocab_size=spec.padded_vocab_size(sizes.tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=first,

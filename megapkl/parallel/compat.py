@@ -34,6 +34,10 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
 6. The alltoall MoE dispatcher asks `maybe_move_tensor_to_cpu(..., as_numpy=True)` for split
    sizes, but the helper only converts CUDA tensors -> also convert CPU tensors to numpy when
    asked, which is what the caller expects on GPU.
+7. Activation recompute re-runs the attention core inside backward, where the device rewrite of
+   4. is not active (`Tensor.backward` dispatches through the mode, which is off while it
+   handles a call) -> the causal-mask helper of megatron's unfused softmax builds its mask on
+   the CPU directly. Same mask, same device as without recompute.
 """
 
 from __future__ import annotations
@@ -284,3 +288,12 @@ def _patch_megatron() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's `get_default_causal_mask` (True above the diagonal), on the CPU."""
+    return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()

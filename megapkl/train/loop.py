@@ -40,8 +40,10 @@ def init_groups(cfg):
     """megatron process groups for the run's layout (torch.distributed started if needed)."""
     import os
 
+    from megapkl.models.provider import check_dtype_on_this_machine
     from megapkl.parallel.groups import init_parallel
 
+    check_dtype_on_this_machine(cfg.model)  # before any process group starts
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

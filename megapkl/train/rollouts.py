@@ -74,11 +74,14 @@ class RolloutStage:
         self.pool: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self.engine = None
         if leader:
+            from megapkl.models.provider import engine_placement
             from megapkl.models.spec import hf_config_dict
             from megapkl.rollout.embedded import EmbeddedEngine
 
-            self.engine = EmbeddedEngine(hf_config_dict(spec, dtype="float32"),
-                                         tokenizer=self.tokenizer, seed=cfg.seed)
+            device, dtype = engine_placement(cfg.model.dtype)
+            self.engine = EmbeddedEngine(hf_config_dict(spec, dtype=str(dtype).split(".")[-1]),
+                                         tokenizer=self.tokenizer, seed=cfg.seed, device=device,
+                                         dtype=dtype)
 
     # ------------------------------------------------------------------ weights
 
