@@ -216,6 +216,18 @@ def fake_quant_fp8(named_tensors: Iterable[tuple[str, Tensor]], dtype: torch.dty
 
 # ---------------------------------------------------------------------------------- checkpoints
 
+def unshared(tensor: Tensor, seen: set[int]) -> Tensor:
+    """A contiguous CPU tensor owning its storage among those already written (safetensors refuses
+    tensors sharing memory, e.g. a tied lm_head and embed_tokens)."""
+    t = tensor.detach().contiguous().cpu()
+    ptr = t.untyped_storage().data_ptr()
+    if ptr in seen:
+        t = t.clone()
+        ptr = t.untyped_storage().data_ptr()
+    seen.add(ptr)
+    return t
+
+
 def read_quantization_config(config: Mapping[str, Any], source: str = "config.json"
                              ) -> Optional[tuple[int, int]]:
     """The FP8 block of a HF config mapping (None when it is not quantized). Any other scheme is an
@@ -255,6 +267,7 @@ def write_fp8_checkpoint(directory: Union[str, os.PathLike],
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     temp: list[Path] = []
+    seen: set[int] = set()
 
     def flush() -> None:
         path = out / f".shard{len(temp):05d}.tmp"
@@ -267,7 +280,7 @@ def write_fp8_checkpoint(directory: Union[str, os.PathLike],
             flush()
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.detach().contiguous().cpu()
+        shards[-1][name] = unshared(tensor, seen)
         size += nbytes
     flush()
     weight_map = {}
