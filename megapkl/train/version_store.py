@@ -12,6 +12,7 @@ different data-parallel size. The run directory must be visible to every engine 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
+import torch
 from torch import Tensor
 
 _FILE = re.compile(r"^v(\d{8})\.safetensors$")
@@ -54,8 +56,6 @@ class VersionStore:
 
     def save(self, version: int, named_tensors: Iterable[tuple[str, Tensor]]) -> Optional[Path]:
         """Write `version` (consumes the stream on every process; only the writer keeps it)."""
-        from safetensors.torch import save_file
-
         from megapkl.rollout.fp8 import unshared
 
         tensors, seen = {}, set()
@@ -68,7 +68,7 @@ class VersionStore:
             raise VersionStoreError(f"policy version {version}: no tensors to save")
         final = self.path(version)
         tmp = final.with_name(final.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
+        write_safetensors(tensors, tmp, {"format": "pt", "version": str(version)})
         os.replace(tmp, final)  # a reader never sees half a file
         return final
 
@@ -130,6 +130,33 @@ class VersionStore:
                 raise VersionStoreError(f"checkpoint references policy version {v} but {f} is "
                                         "missing")
             _link_or_copy(f, self.path(v))
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64",
+           torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """The safetensors format written tensor by tensor from the tensors themselves (safetensors'
+    own save_file first serializes the whole model into one more in-memory copy)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise VersionStoreError(f"policy version tensor '{name}': dtype {t.dtype} unsupported")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
