@@ -103,3 +103,10 @@ def test_fp8_moe_keeps_the_router_and_quantizes_experts():
     expert = "model.layers.0.mlp.experts.1.up_proj.weight"
     assert torch.equal(got[expert], F.dequantize_block_fp8(*F.quantize_block_fp8(plain[expert]),
                                                            torch.float32))
+
+
+def test_fp8_with_a_model_whose_layers_it_does_not_know_is_an_error():
+    gpt2 = dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    EmbeddedEngine(gpt2)  # fine in the engine's own dtype
+    with pytest.raises(F.FP8Error, match=r"rollout.fp8: weight 'transformer\..*FP8 cannot handle"):
+        EmbeddedEngine(gpt2, fp8=True)
