@@ -87,3 +87,64 @@ def test_missing_and_corrupt_files_name_the_file(tmp_path):
     os.replace(store.path(4), store.path(3))  # a file holding another version
     with pytest.raises(VersionStoreError, match="holds version '4'"):
         store.load(3)
+
+
+# ------------------------------------------------------------------------- the rollout stage
+
+def stage_for(run_dir, *overrides):
+    from megapkl.config import load_config
+    from megapkl.models.spec import spec_from_model_config
+    from megapkl.train.rollouts import RolloutStage
+
+    cfg = load_config("configs/demo/cpu_demo.yaml", [
+        "parallel.data=1", f"run_dir={run_dir}", "rollout.protocol=uniform_stale",
+        "rollout.max_staleness=3", "rollout.snapshot_pool=4", "rollout.refresh_every=null",
+        "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=2",
+        "advantage.filter_constant_groups=false", *overrides])
+    return RolloutStage(cfg, spec_from_model_config(cfg.model), dp_rank=0, dp_size=1, leader=True,
+                        replica_group=None, dp_group=None)
+
+
+def engine_weights(stage, version: int):
+    g = torch.Generator().manual_seed(version)
+    return ((n, torch.randn(p.shape, generator=g) * 0.5)
+            for n, p in stage.engine.model.state_dict().items())
+
+
+def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
+    """FP8 rollouts (the plain path is covered by the trainer tests)."""
+    from megapkl.train.rollouts import RolloutError
+
+    stage = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
+    for v in range(5):
+        stage.remember(v, engine_weights(stage, v))
+        stage.forget_before(v - 3)
+    assert stage.store.versions() == [1, 2, 3, 4]
+    if fp8:  # stored already quantized
+        from safetensors import safe_open
+        with safe_open(str(stage.store.path(4)), framework="pt") as h:
+            assert h.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+    versions = [4, 1, 3, 2, 4, 1, 3, 2]
+    samples = stage.collect(0, versions)
+    assert [s.version for s in samples] == [v for v in versions for _ in range(2)]
+    assert stage.load_metrics()["rollout/versions_loaded"] == 4.0  # each version once
+    assert stage.load_metrics()["time/version_load_s"] > 0
+    # Checkpoint (references), the run directory loses the files, resume restores them.
+    ckpt = tmp_path / "ckpt"
+    state = stage.state_dict(ckpt)
+    assert "pool" not in state and sorted(p.name for p in (ckpt / "policy_versions").iterdir()) == \
+        [f"v{v:08d}.safetensors" for v in (1, 2, 3, 4)]
+    stage.store.delete_before(100)
+    again = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
+    again.load_state_dict(state, checkpoint=ckpt)
+    a, b = stage.collect(1, versions), again.collect(1, versions)
+    assert all(torch.equal(x.logp_behav, y.logp_behav) and torch.equal(x.response_ids, y.response_ids)
+               for x, y in zip(a, b))
+    # A needed version missing on disk is an error naming the file, not a silent skip.
+    again.store.path(3).unlink()
+    with pytest.raises(VersionStoreError, match=r"version 3 is needed but its file .*v00000003"):
+        again.collect(2, [3] * 8)
+    with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
+        for v in range(5, 7):
+            stage.remember(v, engine_weights(stage, v))
+        stage.forget_before(0)
