@@ -156,7 +156,8 @@ class RolloutStage:
         out: list[Optional[list[list[Sample]]]] = [None]
         if self.leader:
             groups: dict[int, list[Sample]] = {}
-            for version in sorted({v for _, _, v in todo}):
+            held = self.engine.version  # first: a refill round starts without a reload
+            for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
                 part = [(i, slot) for i, slot, v in todo if v == version]
                 self._use_version(version)
                 seed = mix64_int(mix64_int(mix64_int(self.cfg.seed) + batch) + rnd * 7919 + version) >> 1

@@ -141,9 +141,11 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     assert all(torch.equal(x.logp_behav, y.logp_behav) and torch.equal(x.response_ids, y.response_ids)
                for x, y in zip(a, b))
     # A needed version missing on disk is an error naming the file, not a silent skip.
-    again.store.path(3).unlink()
-    with pytest.raises(VersionStoreError, match=r"version 3 is needed but its file .*v00000003"):
-        again.collect(2, [3] * 8)
+    gone = 3 if again.engine.version != 3 else 2
+    again.store.path(gone).unlink()
+    with pytest.raises(VersionStoreError, match=rf"version {gone} is needed but its file "
+                                                rf".*v0000000{gone}\.safetensors is missing"):
+        again.collect(2, [gone] * 8)
     with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
         for v in range(5, 7):
             stage.remember(v, engine_weights(stage, v))
