@@ -110,8 +110,9 @@ class EmbeddedEngine(RolloutEngine):
         pad_token_id: filler for left padding and finished rows (never attended to).
         tokenizer: optional; anything with `decode(ids)`, used to fill Sample.response_text.
         max_batch_size: rows (prompt x response) decoded together.
-        fp8: compute with block-FP8 weights: every pushed linear weight is quantized (or arrives
-            quantized, with its `weight_scale_inv`) and dequantized into `dtype` (megapkl.rollout.fp8).
+        fp8: compute as a block-FP8 (W8A8) engine: every pushed linear weight is quantized (or
+            arrives quantized, with its `weight_scale_inv`) and dequantized into `dtype`, and each
+            linear layer's input is quantized per token in 128-wide groups (megapkl.rollout.fp8).
             A checkpoint whose config.json has an FP8 quantization_config turns it on.
         kv_cache_dtype: "auto" (the engine's dtype) or "bf16" (keys and values rounded to bf16 when
             written to the cache, as an engine storing a bf16 cache reads them back).
@@ -142,9 +143,11 @@ class EmbeddedEngine(RolloutEngine):
         self.eos_token_ids = self._default_eos(eos_token_ids, tokenizer)
         self.pad_token_id = self._default_pad(pad_token_id, tokenizer)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._act_hooks = []
         if self.fp8_block is not None:  # an unhandled layer is an error now, not a BF16 layer later
             FP8.check_fp8_model({n: tuple(p.shape) for n, p in self._params.items()},
                                 block=self.fp8_block)
+            self._act_hooks = self._quantize_activations()
         self._version: Optional[int] = None
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._recorder = self._make_recorder()
@@ -177,6 +180,18 @@ class EmbeddedEngine(RolloutEngine):
             del self.config.quantization_config  # dequantized here, not by transformers
             return block
         return FP8.BLOCK if fp8 else None
+
+    def _quantize_activations(self) -> list:
+        """W8A8 as a block-FP8 engine runs it: each quantized linear layer's input is quantized
+        per token in groups of the block's input side (megapkl.rollout.fp8.fake_quant_activation)."""
+        group = self.fp8_block[1]
+
+        def hook(module, args):
+            return (FP8.fake_quant_activation(args[0], group),) + tuple(args[1:])
+
+        return [m.register_forward_pre_hook(hook) for name, m in self.model.named_modules()
+                if isinstance(m, nn.Linear)
+                and FP8.quantized_name(name + ".weight", tuple(m.weight.shape))]
 
     @property
     def fp8(self) -> bool:

@@ -148,6 +148,22 @@ def dequantize_block_fp8(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torc
     return w[:rows, :cols].to(dtype)
 
 
+def fake_quant_activation(x: Tensor, group: int = BLOCK[1]) -> Tensor:
+    """Dynamic activation quantization of a block-FP8 linear layer (activation_scheme dynamic):
+    per token, each group of `group` input features gets s = max(amax / 448, 2^-126) and the values
+    e4m3(x / s) * s, returned in x's dtype (what the layer's FP8 GEMM effectively multiplies)."""
+    k = x.shape[-1]
+    n = math.ceil(k / group)
+    flat = x.reshape(-1, k).float()
+    if n * group != k:
+        flat = torch.nn.functional.pad(flat, (0, n * group - k))
+    g = flat.view(flat.shape[0], n, group)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_(min=MIN_SCALE)
+    q = (g / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = (q.float() * scale).view(flat.shape[0], n * group)[:, :k]
+    return out.reshape(x.shape).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------- streams
 
 class FP8Transform:

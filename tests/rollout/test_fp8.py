@@ -120,6 +120,23 @@ def test_round_trip_error_bound_random_and_adversarial():
     print(f"fp8 round trip: bound ratio {ratios}, max relative error (|w| >= 1e-3) {rel:.4f}")
 
 
+def test_activation_quantization_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 200, generator=g) * torch.tensor([1e-3] * 128 + [50.0] * 72)
+    x[0, 0, :128] = 0  # an all-zero group
+    got = F.fake_quant_activation(x)
+    expect = torch.empty(2, 3, 200, dtype=torch.float64)
+    for i in range(2):
+        for j in range(3):
+            for lo, hi in ((0, 128), (128, 200)):
+                grp = x[i, j, lo:hi].double()
+                scale = float(torch.tensor(float(grp.abs().max()) / 448.0).to(torch.float32))
+                scale = max(scale, 2.0 ** -126)
+                q = ref_round_e4m3((grp / scale).to(torch.float32).to(torch.float64))
+                expect[i, j, lo:hi] = (q * scale).to(torch.float32).to(torch.float64)
+    assert got.dtype == x.dtype and torch.equal(got.double(), expect)
+
+
 def test_nonfinite_weight_is_an_error_naming_it():
     w = torch.randn(4, 4)
     w[1, 1] = float("nan")

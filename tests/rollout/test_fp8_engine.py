@@ -38,6 +38,15 @@ def test_fp8_engine_computes_with_dequantized_weights(dense_model):
     for kept in ("model.embed_tokens.weight", "model.norm.weight",
                  "model.layers.0.self_attn.q_norm.weight"):
         assert torch.equal(got[kept], plain[kept]), kept
+    # W8A8: the inputs of the 7 linear layers per block are quantized too, nothing else.
+    assert len(engine._act_hooks) == 7 * DENSE["num_hidden_layers"]
+    ids = torch.tensor([[1, 40, 41, 42, 43]])
+    with torch.no_grad():
+        w8a8 = engine.model(input_ids=ids).logits
+        for h in engine._act_hooks:
+            h.remove()
+        w8 = engine.model(input_ids=ids).logits
+    assert 0 < float((w8a8 - w8).abs().max()) < 1.0
 
 
 def test_fp8_checkpoint_and_fp8_stream_give_the_same_engine(tmp_path, dense_model):
