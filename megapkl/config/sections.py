@@ -221,8 +221,8 @@ class RolloutConfig:
     top_k: int = field(default=-1, metadata=rng(-1))  # -1 = off
     max_prompt_len: int = field(default=1024, metadata=rng(1))  # PKL Table 4
     max_response_len: int = field(default=16384, metadata=rng(1))  # PKL Table 4
-    fp8: bool = False  # FP8 W/A rollouts (PKL B.2), SGLang only
-    kv_cache_dtype: Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    fp8: bool = False  # block-FP8 weight rollouts (PKL B.2); embedded: dequantized FP8 weights
+    kv_cache_dtype: Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2"] = "auto"  # auto: engine dtype
     topk_logprobs: Optional[int] = field(default=None, metadata=rng(0))  # SIS; unset: sis.top_k
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -234,9 +234,6 @@ class RolloutConfig:
             err(f"must divide rollout.prompts_per_batch ({self.prompts_per_batch}) so that every "
                 f"optimizer minibatch holds whole prompt groups", "minibatches_per_batch",
                 "prompts_per_batch")
-        if self.fp8 and self.engine != "sglang":
-            err("FP8 rollouts need rollout.engine: sglang (the embedded engine runs the trainer's "
-                "dtype)", "fp8", "engine")
         if self.kv_cache_dtype.startswith("fp8") and self.engine != "sglang":
             err(f"{self.kv_cache_dtype} KV cache needs rollout.engine: sglang", "kv_cache_dtype",
                 "engine")

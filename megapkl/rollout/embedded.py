@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from megapkl.rollout import fp8 as FP8
 from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
                                     WeightUpdateError, check_generate_args)
 from megapkl.rollout.sample import PromptItem, Sample
@@ -109,6 +110,12 @@ class EmbeddedEngine(RolloutEngine):
         pad_token_id: filler for left padding and finished rows (never attended to).
         tokenizer: optional; anything with `decode(ids)`, used to fill Sample.response_text.
         max_batch_size: rows (prompt x response) decoded together.
+        fp8: compute as a block-FP8 (W8A8) engine: every pushed linear weight is quantized (or
+            arrives quantized, with its `weight_scale_inv`) and dequantized into `dtype`, and each
+            linear layer's input is quantized per token in 128-wide groups (megapkl.rollout.fp8).
+            A checkpoint whose config.json has an FP8 quantization_config turns it on.
+        kv_cache_dtype: "auto" (the engine's dtype) or "bf16" (keys and values rounded to bf16 when
+            written to the cache, as an engine storing a bf16 cache reads them back).
     The model starts without weights: push them with `update_weights` (the first push must cover
     every parameter) or use `from_pretrained` / `from_model`.
     """
@@ -117,11 +124,14 @@ class EmbeddedEngine(RolloutEngine):
                  dtype: torch.dtype = torch.float32, seed: int = 0,
                  eos_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
                  tokenizer: Any = None, max_batch_size: int = 256,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", fp8: bool = False,
+                 kv_cache_dtype: str = "auto"):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.config = load_hf_config(config)
+        self.fp8_block = self._fp8_block(fp8)
+        self.kv_dtype = _kv_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         self.dtype = dtype
         self.tokenizer = tokenizer
@@ -133,6 +143,11 @@ class EmbeddedEngine(RolloutEngine):
         self.eos_token_ids = self._default_eos(eos_token_ids, tokenizer)
         self.pad_token_id = self._default_pad(pad_token_id, tokenizer)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._act_hooks = []
+        if self.fp8_block is not None:  # an unhandled layer is an error now, not a BF16 layer later
+            FP8.check_fp8_model({n: tuple(p.shape) for n, p in self._params.items()},
+                                block=self.fp8_block)
+            self._act_hooks = self._quantize_activations()
         self._version: Optional[int] = None
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._recorder = self._make_recorder()
@@ -153,6 +168,34 @@ class EmbeddedEngine(RolloutEngine):
         engine = cls(model.config, **kwargs)
         engine.update_weights(model.state_dict().items(), version=version)
         return engine
+
+    def _fp8_block(self, fp8: bool) -> Optional[tuple[int, int]]:
+        """The FP8 block size: the checkpoint's quantization_config, else (128, 128) when `fp8`."""
+        source = getattr(self.config, "name_or_path", "") or "config"
+        qc = getattr(self.config, "quantization_config", None)
+        if qc is not None:
+            qc = qc if isinstance(qc, dict) else qc.to_dict()
+            block = FP8.read_quantization_config({"quantization_config": qc},
+                                                 f"{source}/config.json")
+            del self.config.quantization_config  # dequantized here, not by transformers
+            return block
+        return FP8.BLOCK if fp8 else None
+
+    def _quantize_activations(self) -> list:
+        """W8A8 as a block-FP8 engine runs it: each quantized linear layer's input is quantized
+        per token in groups of the block's input side (megapkl.rollout.fp8.fake_quant_activation)."""
+        group = self.fp8_block[1]
+
+        def hook(module, args):
+            return (FP8.fake_quant_activation(args[0], group),) + tuple(args[1:])
+
+        return [m.register_forward_pre_hook(hook) for name, m in self.model.named_modules()
+                if isinstance(m, nn.Linear)
+                and FP8.quantized_name(name + ".weight", tuple(m.weight.shape))]
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_block is not None
 
     def _default_eos(self, eos: Optional[Sequence[int]], tokenizer: Any) -> tuple[int, ...]:
         """Explicit ids, else the config's eos_token_id, else the tokenizer's."""
@@ -222,6 +265,10 @@ class EmbeddedEngine(RolloutEngine):
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
         staged: dict[int, tuple[nn.Parameter, Tensor]] = {}
+        if self.fp8:
+            named_tensors = FP8.fake_quant_fp8(named_tensors, self.dtype, self.fp8_block)
+        else:  # an FP8 stream (weight + weight_scale_inv) is dequantized, plain tensors pass
+            named_tensors = FP8.dequantize_stream(named_tensors, self.dtype)
         for name, tensor in named_tensors:
             param = self._lookup(name)
             staged[id(param)] = (param, self._checked_copy(name, tensor, param))
@@ -349,8 +396,10 @@ class EmbeddedEngine(RolloutEngine):
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
         from transformers import DynamicCache
 
+        if cache is None:
+            cache = DynamicCache() if self.kv_dtype is None else _RoundedCache(self.kv_dtype)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache if cache is not None else DynamicCache(),
+                         past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         if self._recorder is not None:
             self._recorder.end_forward(ids.shape[0], ids.shape[1])
@@ -407,3 +456,42 @@ class EmbeddedEngine(RolloutEngine):
         prompt_rows = forwards[0][b, width - prompt_len:]
         fed = [forwards[1 + t][b, 0:1] for t in range(response_len - 1)]
         return torch.cat([prompt_rows, *fed], dim=0).contiguous()
+
+
+def _kv_dtype(name: str) -> Optional[torch.dtype]:
+    """rollout.kv_cache_dtype -> the dtype K/V are rounded to (None: the engine's own dtype)."""
+    if name == "auto":
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    raise ValueError(f"rollout.kv_cache_dtype: {name!r} is not available in the embedded engine "
+                     "(auto or bf16; FP8 KV caches need rollout.engine: sglang)")
+
+
+def _rounded_cache_class():
+    from transformers import DynamicCache
+
+    class RoundedCache(DynamicCache):
+        """A DynamicCache whose keys and values are rounded to `kv_dtype` as they are written, so
+        attention reads them (the current token's too) at the cache's precision."""
+
+        def __init__(self, kv_dtype: torch.dtype):
+            super().__init__()
+            self.kv_dtype = kv_dtype
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            k = key_states.to(self.kv_dtype).to(key_states.dtype)
+            v = value_states.to(self.kv_dtype).to(value_states.dtype)
+            return super().update(k, v, layer_idx, *args, **kwargs)
+
+    return RoundedCache
+
+
+def _RoundedCache(kv_dtype: torch.dtype):
+    global _ROUNDED
+    if _ROUNDED is None:
+        _ROUNDED = _rounded_cache_class()
+    return _ROUNDED(kv_dtype)
+
+
+_ROUNDED = None

@@ -2,10 +2,10 @@
 
 A checkpoint directory `<checkpoint.dir>/step_<u>` holds megatron's distributed checkpoint of the
 model, optimizer, LR schedule and RNG (`model/`, reshardable), one `trainer_rank<r>.pt` per rank
-with what the loop needs to continue identically (the prompt iterator, the rollout engine's pool of
-policy versions, the proximal/initial snapshots, the current global batch and its reference
+with what the loop needs to continue identically (the prompt iterator, the proximal/initial snapshots, the current global batch and its reference
 log-probs, the NaN counters), and a `complete` marker written last, so a checkpoint cut short by a
-preemption is never resumed from.
+preemption is never resumed from. The policy versions the rollout schedule still needs are
+referenced by hard links in `policy_versions/` (megapkl.train.version_store), not copied.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def save(trainer, step: int) -> Path:
     path = step_dir(cfg, step)
     save_checkpoint(path / "model", trainer.learner.model, trainer.learner.optimizer,
                     trainer.learner.scheduler, step=step)
-    state = {"step": step, "rollouts": trainer.rollouts.state_dict(),
+    state = {"step": step, "rollouts": trainer.rollouts.state_dict(path),
              "snapshots": trainer.learner.snapshots.state_dict(), "batch": trainer.batch,
              "responses": trainer.responses, "nan_streak": trainer.nan_streak,
              "nan_skipped": trainer.nan_skipped}
@@ -78,7 +78,7 @@ def resume(trainer, resume: Any) -> int:
     load_checkpoint(path / "model", trainer.learner.model, trainer.learner.optimizer,
                     trainer.learner.scheduler)
     state = torch.load(path / f"trainer_rank{dist.get_rank()}.pt", weights_only=False)
-    trainer.rollouts.load_state_dict(state["rollouts"])
+    trainer.rollouts.load_state_dict(state["rollouts"], checkpoint=path)
     trainer.learner.snapshots.load_state_dict(state["snapshots"])
     trainer.batch, trainer.responses = state["batch"], state["responses"]
     trainer.nan_streak, trainer.nan_skipped = state["nan_streak"], state["nan_skipped"]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megapkl.eval.hook import Evaluator
 from megapkl.parallel.batching import Response
 from megapkl.train import checkpointing as ckpt
+from megapkl.train import mismatch
 from megapkl.train.learner import Learner
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.train.rollouts import RolloutStage
@@ -133,11 +134,13 @@ class Trainer:
                 self.new_batch(plan)
             minibatch = self.minibatch(plan)
             self.fill_reference(minibatch, plan)
+            exact = mismatch.exact_version_metrics(self, minibatch, plan)  # before the update
             t1 = time.time()
             metrics, applied = self.learner.train_step(minibatch, step=u)
             t2 = time.time()
             self.check_finite(u, metrics, applied)
             metrics.update(self.rollout_metrics(plan, minibatch, t2 - t1, t1 - t0))
+            metrics.update(exact, **(self.rollouts.load_metrics() if plan.new_batch else {}))
             metrics.update(self.evaluator.after_update(u) if self.evaluator else {})
             self.logger.log(u, metrics)
             last = metrics

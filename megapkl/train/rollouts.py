@@ -4,12 +4,16 @@ advantages -> dynamic sampling, for this data-parallel rank's share of a global 
 Every rank walks the same prompt sequence; data-parallel rank d takes its contiguous slice of each
 draw, so the global batch does not depend on the DP size. Within a model-parallel replica (the
 ranks sharing a DP index) only the first rank runs the engine and broadcasts the samples. The
-engine keeps the weights of the policy versions the schedule still needs (`pool`), in Hugging Face
-names, so stale protocols (controlled staleness, uniform stale) generate from exact old weights.
+policy versions the schedule still needs are files of a `VersionStore` (Hugging Face names, block
+FP8 when rollout.fp8), written once by global rank 0 and loaded by each engine through the disk
+path, so stale protocols (controlled staleness, uniform stale) generate from exact old weights
+without holding them in host memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +25,7 @@ from megapkl.rollout.data import PromptIterator, build_prompt_dataset
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.rewards import build_reward
 from megapkl.rollout.sample import Sample
+from megapkl.train.version_store import VersionStore
 
 MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group ids of refill rounds
 
@@ -71,7 +76,14 @@ class RolloutStage:
         k = r.topk_logprobs or 0
         self.sampling = SamplingParams.from_rollout_config(r, topk_logprobs=k,
                                                            return_routed_experts=cfg.model.routing_replay)
-        self.pool: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        self.store = VersionStore(Path(cfg.run_dir) / "policy_versions", writer=writer)
+        self.transform = None
+        if r.fp8:  # versions are stored (and pushed) already quantized
+            from megapkl.rollout.fp8 import FP8Transform
+
+            self.transform = FP8Transform()
+        self.loads = {"rollout/versions_loaded": 0.0, "time/version_load_s": 0.0}
         self.engine = None
         if leader:
             from megapkl.models.provider import engine_placement
@@ -81,30 +93,37 @@ class RolloutStage:
             device, dtype = engine_placement(cfg.model.dtype)
             self.engine = EmbeddedEngine(hf_config_dict(spec, dtype=str(dtype).split(".")[-1]),
                                          tokenizer=self.tokenizer, seed=cfg.seed, device=device,
-                                         dtype=dtype)
+                                         dtype=dtype, fp8=r.fp8, kv_cache_dtype=r.kv_cache_dtype)
 
     # ------------------------------------------------------------------ weights
 
     def remember(self, version: int, weights) -> None:
-        """Keep the weights of `version` (an iterator of (HF name, tensor); consumed on every rank
-        because the export is collective, stored only by the engine's rank)."""
-        if not self.leader:
-            for _ in weights:  # take part in the collective export, keep nothing
-                pass
-            return
-        self.pool[version] = [(n, t.detach().to("cpu", copy=True)) for n, t in weights]
+        """Save the weights of `version` (an iterator of (HF name, tensor); consumed on every rank
+        because the export is collective, written only by the store's writer). Collective."""
+        if self.transform is not None and self.store.writer:
+            weights = self.transform(weights)
+        self.store.save(version, weights)
+        if dist.is_initialized():
+            dist.barrier()  # every engine rank may read the file from here on
 
     def forget_before(self, version: int) -> None:
-        for v in [v for v in self.pool if v < version]:
-            del self.pool[v]
+        self.store.delete_before(version)
+        held, cap = len(self.store.versions()), self.cfg.rollout.snapshot_pool
+        if held > cap:
+            raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
+                               "versions at once; raise rollout.snapshot_pool")
 
     def _use_version(self, version: int) -> None:
         if self.engine.version == version:
             return
-        if version not in self.pool:
-            raise RolloutError(f"policy version {version} is not in the snapshot pool "
-                               f"(held: {sorted(self.pool)})")
-        self.engine.update_weights(self.pool[version], version)
+        t0 = time.perf_counter()
+        self.engine.update_weights(self.store.load(version), version)
+        self.loads["rollout/versions_loaded"] += 1
+        self.loads["time/version_load_s"] += time.perf_counter() - t0
+
+    def load_metrics(self) -> dict[str, float]:
+        """Versions this engine loaded from disk, and seconds spent, for the current batch."""
+        return dict(self.loads) if self.leader else {}
 
     # ------------------------------------------------------------------ batches
 
@@ -113,6 +132,7 @@ class RolloutStage:
         advantages (Sample.metadata['advantage'])."""
         kept: list[list[Sample]] = []
         drawn = 0
+        self.loads = dict.fromkeys(self.loads, 0.0)
         rounds = self.cfg.advantage.max_fill_rounds
         for rnd in range(rounds):
             idx = self.prompts.next_indices(self.cfg.rollout.prompts_per_batch)
@@ -139,7 +159,8 @@ class RolloutStage:
         out: list[Optional[list[list[Sample]]]] = [None]
         if self.leader:
             groups: dict[int, list[Sample]] = {}
-            for version in sorted({v for _, _, v in todo}):
+            held = self.engine.version  # first: a refill round starts without a reload
+            for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
                 part = [(i, slot) for i, slot, v in todo if v == version]
                 self._use_version(version)
                 seed = mix64_int(mix64_int(mix64_int(self.cfg.seed) + batch) + rnd * 7919 + version) >> 1
@@ -179,18 +200,22 @@ class RolloutStage:
 
     # ------------------------------------------------------------------ checkpoint state
 
-    def state_dict(self) -> dict:
+    def state_dict(self, checkpoint: Optional[Path] = None) -> dict:
+        """The versions are referenced by the checkpoint (hard links under
+        `<checkpoint>/policy_versions`), never pickled into it."""
+        if checkpoint is not None and self.store.writer:
+            self.store.link_into(Path(checkpoint) / "policy_versions", self.store.versions())
         return {"prompts": self.prompts.state_dict(),
-                "pool": self.pool if self.leader else None,
                 "engine_version": self.engine.version if self.leader else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, checkpoint: Optional[Path] = None) -> None:
         self.prompts.load_state_dict(state["prompts"])
-        if self.leader:
-            self.pool = state["pool"]
-            v = state["engine_version"]
-            if v is not None:
-                self._use_version(v)
+        if checkpoint is not None and (self.leader or self.store.writer):
+            src = Path(checkpoint) / "policy_versions"
+            self.store.restore_from(src, VersionStore(src, writer=False).versions())
+        v = state["engine_version"]
+        if self.leader and v is not None:
+            self._use_version(v)
 
 
 def _constant(members: Sequence[Sample]) -> bool:

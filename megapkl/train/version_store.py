@@ -1,0 +1,174 @@
+"""Policy versions the rollout schedule still needs, held on disk instead of in host memory.
+
+Each version is written once, as one safetensors file of (Hugging Face name, tensor) -- already
+block-FP8 quantized when rollouts are FP8 -- under `<run_dir>/policy_versions/v<version>.safetensors`,
+and deleted as soon as the schedule no longer needs it. Engines load a version by streaming its file
+(one tensor at a time) into `update_weights`, the disk sync path. A checkpoint references the files
+by hard-linking them into its own directory (no bytes copied on one filesystem; a copy, with a
+warning, across filesystems), so deleting a version from the run directory never breaks a
+checkpoint that needs it, and pruning the checkpoint frees it. Nothing here depends on ranks: one
+process (global rank 0) writes and deletes, any number of engine ranks read, so a resume may use a
+different data-parallel size. The run directory must be visible to every engine rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor
+
+_FILE = re.compile(r"^v(\d{8})\.safetensors$")
+
+
+class VersionStoreError(RuntimeError):
+    """A needed policy version is missing or unreadable; the message names the file."""
+
+
+class VersionStore:
+    def __init__(self, root: Union[str, os.PathLike], writer: bool = True) -> None:
+        """`writer`: this process writes and deletes files (exactly one process per run)."""
+        self.root = Path(root)
+        self.writer = writer
+        if writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ files
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version:08d}.safetensors"
+
+    def versions(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for f in os.listdir(self.root) if (m := _FILE.match(f)))
+
+    def __contains__(self, version: int) -> bool:
+        return self.path(version).is_file()
+
+    def nbytes(self) -> int:
+        return sum(self.path(v).stat().st_size for v in self.versions())
+
+    def save(self, version: int, named_tensors: Iterable[tuple[str, Tensor]]) -> Optional[Path]:
+        """Write `version` (consumes the stream on every process; only the writer keeps it)."""
+        from megapkl.rollout.fp8 import unshared
+
+        tensors, seen = {}, set()
+        for name, t in named_tensors:
+            if self.writer:
+                tensors[name] = unshared(t, seen)
+        if not self.writer:
+            return None
+        if not tensors:
+            raise VersionStoreError(f"policy version {version}: no tensors to save")
+        final = self.path(version)
+        tmp = final.with_name(final.name + ".tmp")
+        write_safetensors(tensors, tmp, {"format": "pt", "version": str(version)})
+        os.replace(tmp, final)  # a reader never sees half a file
+        return final
+
+    def delete_before(self, version: int) -> list[int]:
+        """Delete the files of versions < `version` (writer only); returns the deleted versions."""
+        gone = [v for v in self.versions() if v < version] if self.writer else []
+        for v in gone:
+            self.path(v).unlink(missing_ok=True)
+        return gone
+
+    def load(self, version: int) -> Iterator[tuple[str, Tensor]]:
+        """Stream (name, tensor) of `version` from its file. A missing or corrupt file raises
+        VersionStoreError naming it (before the first tensor is yielded for a bad header)."""
+        from safetensors import safe_open
+
+        path = self.path(version)
+        if not path.is_file():
+            raise VersionStoreError(
+                f"policy version {version} is needed but its file {path} is missing (held: "
+                f"{self.versions()}); was the run directory cleaned or moved?")
+        try:
+            handle = safe_open(str(path), framework="pt")
+            meta = handle.metadata() or {}
+            names = list(handle.keys())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise VersionStoreError(f"policy version {version}: {path} is corrupt or not a "
+                                    f"safetensors file ({e})") from e
+        if meta.get("version") != str(version):
+            raise VersionStoreError(f"policy version {version}: {path} holds version "
+                                    f"{meta.get('version')!r}")
+        return self._stream(handle, names, path, version)
+
+    @staticmethod
+    def _stream(handle, names, path: Path, version: int) -> Iterator[tuple[str, Tensor]]:
+        for name in names:
+            try:
+                yield name, handle.get_tensor(name)
+            except Exception as e:
+                raise VersionStoreError(f"policy version {version}: {path} is corrupt at tensor "
+                                        f"'{name}' ({e})") from e
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def link_into(self, directory: Union[str, os.PathLike], versions: Iterable[int]) -> None:
+        """Reference `versions` from a checkpoint directory: hard links, a copy across devices."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for v in versions:
+            _link_or_copy(self.path(v), out / self.path(v).name)
+
+    def restore_from(self, directory: Union[str, os.PathLike], versions: Iterable[int]) -> None:
+        """Make the versions a checkpoint references available in this store (resume). Safe to
+        call from several processes at once."""
+        src = Path(directory)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for v in versions:
+            f = src / self.path(v).name
+            if not f.is_file():
+                raise VersionStoreError(f"checkpoint references policy version {v} but {f} is "
+                                        "missing")
+            _link_or_copy(f, self.path(v))
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64",
+           torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """The safetensors format written tensor by tensor from the tensors themselves (safetensors'
+    own save_file first serializes the whole model into one more in-memory copy)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise VersionStoreError(f"policy version tensor '{name}': dtype {t.dtype} unsupported")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists() and os.path.samefile(src, dst):
+        return
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.link(src, tmp)
+    except FileNotFoundError as e:
+        raise VersionStoreError(f"policy version file {src} is missing") from e
+    except OSError:  # another filesystem: a copy is the only way to keep the bytes
+        print(f"[megapkl] {dst.parent} is on another filesystem than {src.parent}: copying "
+              f"{src.name} instead of linking it", file=sys.stderr, flush=True)
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
