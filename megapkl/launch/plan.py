@@ -133,6 +133,18 @@ def _layout(cfg) -> Layout:
                   sp=p.sequence_parallel)
 
 
+def layer_activation_bytes(s: float, b: int, h: int, heads: int, t: int, recompute: str,
+                           bytes_per: int = 2, flash: bool = True) -> float:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 2 with
+    SP): 34 s b h / t in 16-bit, plus 5 a s^2 b / t when attention scores are materialized (no
+    flash attention); full recompute keeps only the layer input, 2 s b h / t."""
+    scale = bytes_per / 2
+    if recompute == "full":
+        return 2 * s * b * h / t * scale
+    scores = 0.0 if flash or recompute == "selective" else 5 * heads * s * s * b / t
+    return (34 * s * b * h / t + scores) * scale
+
+
 def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float]:
     """(rows, resident bytes) of pipeline stage 0 and the last stage, whichever is larger."""
     ro = cfg.rollout
@@ -151,7 +163,8 @@ def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float]
         s = (ro.max_prompt_len + ro.max_response_len) / lay.cp
         b, h = cfg.parallel.micro_batch_size, spec.hidden_size
         t = lay.tp if lay.sp else 1
-        per_layer = {"full": 2 * s * b * h / t}.get(cfg.model.recompute, 34 * s * b * h / t)
+        per_layer = layer_activation_bytes(s, b, h, spec.num_attention_heads, t,
+                                           cfg.model.recompute)
         in_flight = lay.pp - stage  # 1F1B: stage k keeps pp - k micro-batches
         rows.append((f"activations ({cfg.model.recompute} recompute, {in_flight} micro-batch)",
                      per_layer * spec.num_layers / lay.pp * in_flight))

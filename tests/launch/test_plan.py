@@ -77,3 +77,43 @@ def test_plan_cli_and_submit_refuses_a_run_that_cannot_fit(capsys, tmp_path):
 def test_without_a_profile_memory_has_no_verdict():
     p = plan(load_config("configs/demo/cpu_demo.yaml"), None)
     assert p.gpu_gib is None and p.fits and "sets no gpu_mem_gib" in p.table()
+
+
+def _saved_activation_bytes(rank, world, seq):
+    """Bytes of the tensors a tiny-qwen3 forward keeps for backward (autograd's saved tensors,
+    each storage once; parameters excluded), at micro-batch 1 and sequence length `seq`."""
+    import torch
+
+    from megapkl.models.provider import ModelOptions, build_model
+    from megapkl.parallel.groups import init_parallel
+
+    init_parallel(seed=0)
+    model = build_model(load_spec("tiny-qwen3"), ModelOptions(dtype="fp32"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, 128, (1, seq))
+    pos = torch.arange(seq).unsqueeze(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, pos, None)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("seq", [128, 512])
+def test_activation_estimate_within_a_factor_of_two_of_the_cpu_forward(dist_run, seq):
+    """The CPU model is fp32 with unfused attention (scores kept): the same formula with 4-byte
+    activations and the 5 a s^2 b term, plus the fp32 logits, within 2x of what autograd keeps."""
+    from megapkl.launch.plan import layer_activation_bytes
+
+    spec = load_spec("tiny-qwen3")
+    (measured,) = dist_run(_saved_activation_bytes, 1, seq)
+    per_layer = layer_activation_bytes(seq, 1, spec.hidden_size, spec.num_attention_heads, 1,
+                                       "none", bytes_per=4, flash=False)
+    estimate = per_layer * spec.num_layers + seq * spec.padded_vocab_size(1) * 4
+    assert 0.5 <= measured / estimate <= 2.0, (measured, estimate)
