@@ -228,7 +228,7 @@ done
 chmod 644 /etc/slurm/slurm.conf
 if [ "$changed" = 1 ]; then
   log "configuration written: /etc/slurm/slurm.conf (CPUs=$CPUS RealMemory=${MEM_MB}MB partition=$PARTITION)"
-  for f in "$RUN_DIR"/slurmd*.pid "$RUN_DIR/slurmctld.pid" "$RUN_DIR/slurmdbd.pid"; do
+  for f in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid" "$RUN_DIR/slurmctld.pid" "$RUN_DIR/slurmdbd.pid"; do
     if alive "$f"; then   # restart whatever runs with an old configuration
       log "restarting $(basename "$f" .pid) for the new configuration"
       kill "$(cat "$f")"

@@ -48,7 +48,8 @@ stop() {  # stop NAME EXPECTED_COMM: TERM, wait up to 20 s, then KILL
   log "stopped $name (pid $pid)"
 }
 
-for f in "$RUN_DIR"/slurmd*.pid; do   # localhost and the namespace nodes
+# localhost and the namespace nodes (slurmd.pid: written by an older setup); not slurmdbd.pid
+for f in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid"; do
   [ -e "$f" ] && stop "$(basename "$f" .pid)" slurmd
 done
 stop slurmctld slurmctld
