@@ -13,10 +13,18 @@ trainer plugs in.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from typing import Callable, Optional, Sequence
 
 EXIT_CONFIG = 2  # bad config or bad usage (argparse uses 2 as well)
+EXIT_ERROR = 1  # anything else that stops a command: one line on stderr, the traceback with --debug
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """Bad command-line usage that argparse cannot see (exit 2)."""
 
 
 def _load(path: str, overrides: Sequence[str] = ()):
@@ -30,12 +38,25 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def split_files_and_overrides(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`config validate A.yaml B.yaml objective.beta=0.3`: an item with '=' that is not an existing
+    file is a dotted override, applied to every file (like on every other command)."""
+    files, overrides = [], []
+    for item in items:
+        (overrides if "=" in item and not os.path.exists(item) else files).append(item)
+    return files, overrides
+
+
 def cmd_config_validate(args: argparse.Namespace) -> int:
     from megapkl.config import ConfigError
+    files, overrides = split_files_and_overrides(args.files)
+    overrides += args.set or []
+    if not files:
+        raise UsageError("config validate: no config file given (KEY=VALUE items are overrides)")
     bad = 0
-    for path in args.files:
+    for path in files:
         try:
-            cfg = _load(path, args.set or ())
+            cfg = _load(path, overrides)
         except ConfigError as exc:
             bad += 1
             print(f"megapkl: error: {_one_line(exc)}", file=sys.stderr)
@@ -47,8 +68,10 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides)
+    from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
 
+    preflight(cfg)  # a missing resume checkpoint or a run directory in use: before any rank starts
     train_local(cfg)
     return 0
 
@@ -81,6 +104,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megapkl", description="Off-policy RL post-training "
                                      "of LLMs on megatron-core (Proximal KL, GRPO, SIS, TETPO, ...).")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error "
+                        "(also accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     config = sub.add_parser("config", help="show or validate run configs")
@@ -90,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. objective.beta=0.3")
     show.set_defaults(func=cmd_config_show)
     validate = csub.add_parser("validate", help="check configs; exit 2 if any is bad")
-    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("files", nargs="+", metavar="FILE|KEY=VALUE",
+                          help="configs to check; KEY=VALUE items override every file")
     validate.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override applied to every file (repeatable)")
     validate.set_defaults(func=cmd_config_validate)
@@ -130,16 +156,48 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the `megapkl` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def describe(exc: BaseException) -> str:
+    """One line for any exception. A forked rank's error carries the rank's traceback: keep its
+    last line (the exception itself). Errors that are not megapkl's own name their type."""
+    text = str(exc)
+    if "Traceback (most recent call last)" in text:
+        head = text.split("\n", 1)[0].rstrip(":")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        text = f"{head}: {lines[-1]}"
+    line = " ".join(text.split()) or type(exc).__name__
+    if not type(exc).__module__.startswith("megapkl") and not isinstance(exc, (OSError, ValueError)):
+        line = f"{type(exc).__name__}: {line}"
+    return line
+
+
+def _exit_code(exc: BaseException) -> int:
     from megapkl.config import ConfigError
+    return EXIT_CONFIG if isinstance(exc, (ConfigError, UsageError)) else EXIT_ERROR
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `megapkl` console script; returns the exit code.
+
+    The single error boundary of the CLI: whatever a command raises ends as one line
+    `megapkl: error: ...` on stderr (exit 2 for config/usage errors, 1 otherwise, 130 on Ctrl-C);
+    `--debug` (anywhere on the line) or MEGAPKL_DEBUG=1 prints the traceback as well.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("MEGAPKL_DEBUG", "") not in ("", "0")
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except ConfigError as exc:
-        print(f"megapkl: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("megapkl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the one boundary between megapkl and the terminal
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        print(f"megapkl: error: {describe(exc)}" + ("" if _exit_code(exc) == EXIT_CONFIG else hint),
+              file=sys.stderr)
+        return _exit_code(exc)
 
 
 if __name__ == "__main__":

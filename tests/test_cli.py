@@ -84,3 +84,80 @@ def test_entry_point_subprocess_and_no_torch():
     proc = subprocess.run([sys.executable, "-c", probe, GRPO], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=60)
     assert proc.returncode == 0, "config show imported torch" if proc.returncode == 3 else proc.stderr
+
+
+# ---- the error boundary: every user error is one line `megapkl: error: ...`, --debug shows more
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("megapkl: error: "), err
+    return lines[0]
+
+
+def test_tensor_parallel_not_dividing_heads_is_a_config_error(capsys):
+    """TP = 3 on tiny-qwen3 (4 attention heads): caught at validation, naming parallel.tensor."""
+    assert main(["config", "validate", DEMO, "parallel.tensor=3"]) == EXIT_CONFIG
+    line = _one_error_line(capsys.readouterr().err)
+    assert "<override>: parallel.tensor:" in line and "num_attention_heads = 4" in line
+    assert main(["train", DEMO, "parallel.tensor=3", "parallel.data=1"]) == EXIT_CONFIG
+    assert "parallel.tensor" in _one_error_line(capsys.readouterr().err)
+    assert main(["config", "validate", DEMO, "parallel.tensor=2"]) == 0  # 4 heads, 2 KV groups
+    capsys.readouterr()
+
+
+def test_model_layout_rules_from_the_model_yaml(capsys):
+    moe = ["model.name=tiny-qwen3-moe", "parallel.data=1"]
+    assert main(["config", "validate", DEMO, *moe, "parallel.expert=3"]) == EXIT_CONFIG
+    assert "parallel.expert" in _one_error_line(capsys.readouterr().err)
+    assert main(["config", "validate", DEMO, *moe, "parallel.tensor=2"]) == EXIT_CONFIG
+    assert "parallel.sequence_parallel" in _one_error_line(capsys.readouterr().err)
+    assert main(["config", "validate", DEMO, "model.arch={num_attention_heads: 6, "
+                 "num_query_groups: 6}", "parallel.tensor=4"]) == EXIT_CONFIG
+    assert "num_attention_heads = 6" in _one_error_line(capsys.readouterr().err)
+
+
+def test_config_validate_takes_dotted_overrides_positionally(capsys):
+    assert main(["config", "validate", GRPO, "objective.name=tetpo"]) == 0
+    assert "ok: " in capsys.readouterr().out
+    assert main(["config", "validate", GRPO, DEMO, "objective.name=tetpo",
+                 "objective.aggregation=token_mean"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("megapkl: error:") == 2 and "objective.aggregation" in err
+    assert main(["config", "validate", "objective.beta=0.3"]) == EXIT_CONFIG
+    assert "no config file" in _one_error_line(capsys.readouterr().err)
+
+
+def test_resume_from_a_missing_directory_is_one_line(capsys, tmp_path):
+    missing = tmp_path / "nope" / "step_00000010"
+    rc = main(["train", DEMO, f"run_dir={tmp_path / 'run'}", f"checkpoint.resume={missing}"])
+    assert rc == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"checkpoint.resume: {missing} does not exist" in line
+
+
+def test_other_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MEGAPKL_DEBUG", None)
+    argv = [sys.executable, "-m", "megapkl.cli", "plot", str(tmp_path / "no_such_run"),
+            "--out", str(tmp_path / "plots")]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 1
+    line = _one_error_line(proc.stderr)
+    assert "no_such_run" in line and "--debug shows the traceback" in line
+    proc = subprocess.run(argv + ["--debug"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("megapkl: error: ")
+
+
+def test_describe_keeps_a_forked_rank_error_to_its_last_line():
+    from megapkl.cli import describe
+    from megapkl.parallel.forked import WorkerError
+
+    exc = WorkerError("rank 1 of 2 failed:\nTraceback (most recent call last):\n  File \"x.py\", "
+                      "line 3, in f\n    boom()\nValueError: the real reason")
+    assert describe(exc) == "rank 1 of 2 failed: ValueError: the real reason"
+    assert describe(KeyError("k")) == "KeyError: 'k'"

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from megapkl.config.model_layout import check_model_layout, check_token_budget
 from megapkl.config.objective import ObjectiveConfig
 from megapkl.config.sections import (AdvantageConfig, ModelConfig, ParallelConfig, ReferenceConfig,
                                      RolloutConfig)
@@ -222,4 +223,5 @@ def _check_dtype(cfg: RunConfig, err) -> None:
 
 
 _RULES = (_check_world, _check_moe, _check_layers, _check_batch, _check_advantage,
-          _check_reference, _check_sis, _check_reward, _check_eval, _check_dtype)
+          _check_reference, _check_sis, _check_reward, _check_eval, _check_dtype,
+          check_model_layout, check_token_budget)

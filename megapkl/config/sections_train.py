@@ -5,6 +5,8 @@ rules in `megapkl.config.run`. Defaults cite SPEC section 10 / the paper appendi
 """
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -78,6 +80,9 @@ class RewardConfig:
     incorrect: float = -1.0
 
     def check(self, err) -> None:
+        for name in ("correct", "incorrect"):  # NaN/Inf would pass the comparison below
+            if not math.isfinite(getattr(self, name)):
+                err(f"must be a finite number, got {getattr(self, name)}", name)
         if self.correct <= self.incorrect:
             err(f"must be > reward.incorrect ({self.incorrect}), got {self.correct}", "correct",
                 "incorrect")

@@ -33,6 +33,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="validate and print the sbatch script; submit nothing")
     p.add_argument("--wait", action="store_true", help="wait for the job(s) and print results")
+    p.add_argument("--force", action="store_true",
+                   help="submit even when `megapkl plan` says the run does not fit its GPUs")
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -68,6 +70,15 @@ def add_subcommands(sub: Any) -> None:
                    help="array elements running at once (default: the profile's "
                    "array_parallelism)")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("plan", help="per-GPU memory, FLOPs and step time of a run on a profile")
+    p.__class__ = _IntermixedParser
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides")
+    p.add_argument("-p", "--profile", help="cluster profile (default: the config's slurm.profile)")
+    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the step "
+                   "time (default 0.35)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="state of a job, run directory or sweep (no JOB: squeue)")
     p.add_argument("job", nargs="?", help="job id, run directory or sweep directory")
@@ -106,7 +117,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         sub = submit(args.config, args.profile, args.overrides, entry=_entry(args),
                      entry_kwargs=_entry_kwargs(args), if_exists=args.if_exists,
-                     dry_run=args.dry_run)
+                     dry_run=args.dry_run, force=args.force)
     except ConfigError:
         raise
     except (LaunchError, ValueError, OSError) as exc:
@@ -121,6 +132,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.wait:
         return _wait([sub.job])
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the planner's table; exit 1 when the run does not fit the profile's GPUs."""
+    from megapkl.launch.plan import DEFAULT_MFU, plan_config
+    p = plan_config(args.config, args.profile, args.overrides, mfu=args.mfu or DEFAULT_MFU)
+    print(p.table())
+    return 0 if p.fits else EXIT_LAUNCH
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

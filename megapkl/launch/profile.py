@@ -84,6 +84,10 @@ class ClusterProfile:
     node_gpus: int = field(default=0, metadata=rng(0))  # GPUs in one node; 0 = CPU nodes
     node_cpus: Optional[int] = field(default=None, metadata=rng(1))  # cores in one node
     max_nodes: Optional[int] = field(default=None, metadata=rng(1))  # largest job allowed
+    # For `megapkl plan`: memory of one GPU (GiB, as the driver reports it) and its dense BF16
+    # peak (TFLOP/s). Unset: the planner reports the estimate without a fit verdict.
+    gpu_mem_gib: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
+    gpu_tflops: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
     # -- the job (defaults; a run config's slurm: section overrides them)
     nodes: int = field(default=1, metadata=rng(1))
     gpus_per_node: Optional[int] = field(default=None, metadata=rng(0))  # unset: node_gpus

@@ -253,6 +253,18 @@ def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) 
     return extra
 
 
+def check_fit(cfg: Any, prof: ClusterProfile) -> None:
+    """LaunchError with the planner's table when the run cannot fit the profile's GPUs."""
+    if not prof.uses_gpus:
+        return
+    from megapkl.launch.plan import plan
+
+    p = plan(cfg, prof)
+    if not p.fits:
+        raise LaunchError(f"the run does not fit {prof.name}'s GPUs (megapkl plan); change the "
+                          f"layout or pass --force:\n{p.table()}")
+
+
 def resume_overrides(overrides: list[str], if_exists: IfExists) -> list[str]:
     """`--if-exists resume` continues from the run directory's checkpoints."""
     if if_exists == "resume" and not any(o.startswith("checkpoint.resume=") for o in overrides):
@@ -263,8 +275,10 @@ def resume_overrides(overrides: list[str], if_exists: IfExists) -> list[str]:
 def submit(config: str | os.PathLike, profile: Optional[str] = None,
            overrides: Iterable[str] = (), *, entry: str = DEFAULT_ENTRY,
            entry_kwargs: Optional[Mapping[str, Any]] = None, if_exists: IfExists = "error",
-           dry_run: bool = False, cwd: Optional[str | os.PathLike] = None) -> Submission:
-    """Validate, lay out the run directory and submit one job (see the module docstring)."""
+           dry_run: bool = False, cwd: Optional[str | os.PathLike] = None,
+           force: bool = False) -> Submission:
+    """Validate, lay out the run directory and submit one job (see the module docstring).
+    A run that `megapkl plan` says cannot fit its GPUs is refused unless `force`."""
     cwd = Path(cwd or Path.cwd()).resolve()
     overrides = resume_overrides(list(overrides), if_exists)
     prep = prepare_run(config, overrides, cwd=cwd)
@@ -274,6 +288,8 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
         prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
                                    overrides=overrides)
     check_entry_importable(entry)
+    if not force:
+        check_fit(prep.cfg, prof)
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
     folder = prep.run_dir / "submitit"
     params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name)

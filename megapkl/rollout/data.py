@@ -104,15 +104,18 @@ def read_jsonl(path: str, prompt_key: str = "prompt", answer_key: Optional[str] 
                on_error: OnError = "raise") -> tuple[list[PromptRecord], list[str]]:
     """Records of a JSON-lines file (blank lines ignored) and the messages of skipped rows."""
     out = _Collector(on_error)
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
+    with open(path, "rb") as f:  # decoded per line: a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
 
-            def make(text=text, where=where, lineno=lineno):
+            def make(raw=raw, where=where, lineno=lineno):
                 try:
-                    row = json.loads(text)
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                    f"{e.start + 1})") from None
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
                 return _record_from_row(row, prompt_key, answer_key, where, path, lineno)
@@ -242,7 +245,10 @@ class PromptDataset:
                   prompt_key: str = "prompt", answer_key: Optional[str] = "answer",
                   on_error: OnError = "raise", **kwargs: Any) -> "PromptDataset":
         records, skipped = read_prompt_file(path, prompt_key, answer_key, on_error)
-        return cls(records, tokenizer, template, skipped=skipped, **kwargs)
+        try:
+            return cls(records, tokenizer, template, skipped=skipped, **kwargs)
+        except DataError as exc:
+            raise DataError(f"{path}: {exc}") from None
 
     @classmethod
     def from_synthetic(cls, task: Any, template: str = "raw", **kwargs: Any) -> "PromptDataset":

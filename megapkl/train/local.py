@@ -35,6 +35,9 @@ def train_local(cfg) -> list[dict]:
     if world == 1:
         return [_rank_main(0, 1, cfg)]
     from megapkl.parallel.forked import run_forked
+    from megapkl.train.stopping import forward_to_children
+
+    forward_to_children()  # Ctrl-C / SIGTERM: the ranks checkpoint and stop, this waits for them
 
     threads = max(1, (os.cpu_count() or 1) // world)
     return run_forked(_rank_main, world, cfg, timeout=WEEK_S, threads=threads)

@@ -105,8 +105,7 @@ class Trainer:
         self.batch: list = []      # this rank's samples of the current global batch
         self.responses: list[Response] = []
         self.nan_streak, self.nan_skipped, self.start = 0, 0, 0
-        if cfg.checkpoint.resume:
-            self.start = ckpt.resume(self, cfg.checkpoint.resume)
+        self.start = ckpt.begin(self)  # run-directory lock, stop signals, resume
         if self.rank == 0:
             ckpt.write_resolved_config(cfg, self.run_dir)
         if self.rank == 0 and self.start > 0:
@@ -147,6 +146,8 @@ class Trainer:
             saved = self.checkpoint_due(u)
             if saved:
                 ckpt.save(self, u + 1)
+            if ckpt.stop_if_requested(self, u, saved):  # SIGTERM/SIGINT on a local run
+                break
             # Preemption (launcher context): checkpoint and requeue at this update boundary. Not
             # after the last update: the run is done, a requeue would only restart it to return {}.
             more = u + 1 < self.cfg.train.steps
@@ -240,4 +241,8 @@ class Trainer:
 def run(cfg, ctx: Any = None) -> dict[str, float]:
     """Train `cfg` on this rank; returns the last update's metrics."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    return Trainer(cfg, ctx).run()
+    trainer = Trainer(cfg, ctx)
+    try:
+        return trainer.run()
+    finally:
+        ckpt.end(trainer)

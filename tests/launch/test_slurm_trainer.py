@@ -32,7 +32,7 @@ SPEC_METRICS = {"loss", "grad_norm", "lr", "reward/mean", "train/accuracy", "sta
                 "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min", "is/log_dev", "kl/prox_k3",
                 "pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
 # Wall-clock fields: differ between any two runs.
-TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s")
+TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s", "time/version_load_s")
 
 
 def comparable(rows):
@@ -92,14 +92,42 @@ def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> No
     assert "State=COMPLETED" in text and f"last step: step={STEPS - 1}" in text
 
 
+TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
+
+
+def test_trainer_two_node_job_logs_the_single_node_metrics(trainer_reference,
+                                                           launch_tmp: Path) -> None:
+    """One task on each of two nodes (separate network namespaces and addresses), DP=2 over
+    gloo between them, rendezvous from the Slurm environment (MASTER_ADDR = the allocation's first
+    node): the same metrics, every update, as the 2-task job on one node."""
+    ref_sub, ref = trainer_reference
+    run_dir = launch_tmp / "trainer_two_nodes"
+    sub = submit(TINY, TWO_NODES, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
+    results = wait_done(sub.job, 300, "two-node trainer job")
+    assert comparable(results) == comparable(ref)
+    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(ref_sub.run_dir))
+    start = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])
+    assert (start["world_size"], start["backend"]) == (2, "gloo")
+    assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
+    wait_state(sub.job_id, "COMPLETED")
+    nodes = subprocess_out(["sacct", "-n", "-X", "-j", sub.job_id, "-o", "NodeList%40"])
+    assert nodes.strip() == "mpn[1-2]", nodes
+
+
+def subprocess_out(argv):
+    import subprocess
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+@pytest.mark.parametrize("profile", ["local_cpu", TWO_NODES])
 def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
-        trainer_reference, launch_tmp: Path) -> None:
+        trainer_reference, launch_tmp: Path, profile: str) -> None:
     """submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
     trainer checkpoints at the next update boundary and requeues; the requeued job resumes from
     that checkpoint and ends with the uninterrupted run's metrics (timing fields aside)."""
     ref_sub, ref = trainer_reference
-    run_dir = launch_tmp / "trainer_preempted"
-    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"])
+    run_dir = launch_tmp / f"trainer_preempted_{profile}"
+    sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
     deadline = time.time() + 240
     while len(read_metrics(run_dir)) < 2:  # training, past the preemption handler's installation
         assert time.time() < deadline, "the trainer job never logged update 1"

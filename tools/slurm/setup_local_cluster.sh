@@ -49,7 +49,8 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-mkdir -p "$RUN_DIR" "$LOG_DIR" "$SPOOL/ctld" "$SPOOL/d" /etc/slurm /run/munge /run/mysqld
+mkdir -p "$RUN_DIR" "$LOG_DIR" "$SPOOL/ctld" "$SPOOL/d-localhost" /etc/slurm /run/munge /run/mysqld
+for i in $(seq 1 "${MEGAPKL_SLURM_NS_NODES:-2}"); do mkdir -p "$SPOOL/d-mpn$i"; done
 chown munge:munge /run/munge
 chown mysql:mysql /run/mysqld
 
@@ -108,6 +109,39 @@ GRANT ALL ON $DB_NAME.* TO '$DB_USER'@'localhost';
 FLUSH PRIVILEGES;
 SQL
 
+# ---- two more nodes, each in its own network and UTS namespace on a private bridge
+# MEGAPKL_SLURM_NS_NODES (default 2, 0 = none): nodes mpn1..mpnN with addresses $NET.11.. on the
+# bridge $BRIDGE ($NET.1 on this machine). Traffic between them stays on the bridge: no route
+# leaves it, and the range is used for nothing else. /etc/hosts gets their names (marked lines,
+# removed by the stop script) so a job's first node name resolves to its address for gloo.
+NS_NODES="${MEGAPKL_SLURM_NS_NODES:-2}"
+NET=10.231.7
+BRIDGE=mpslurm0
+HOSTS_MARK="# megapkl-slurm-netns"
+setup_netns_nodes() {
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  # (no grep -q on a pipe: with pipefail its early exit would count as "absent")
+  [[ "$(ip addr show dev "$BRIDGE")" == *"inet $NET.1/"* ]] || ip addr add "$NET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  local i ns
+  for i in $(seq 1 "$NS_NODES"); do
+    ns=mpn$i
+    [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+    if ! ip link show "veth-$ns" >/dev/null 2>&1; then
+      ip link add "veth-$ns" type veth peer name eth0 netns "$ns"
+      ip link set "veth-$ns" master "$BRIDGE" up
+      ip -n "$ns" addr add "$NET.1$i/24" dev eth0
+      ip -n "$ns" link set lo up
+      ip -n "$ns" link set eth0 up
+    fi
+    grep -q "^$NET.1$i $ns " /etc/hosts || echo "$NET.1$i $ns $HOSTS_MARK" >>/etc/hosts
+  done
+}
+if [ "$NS_NODES" -gt 0 ]; then
+  setup_netns_nodes
+  log "network namespaces: $(ip netns list | grep -o '^mpn[0-9]*' | tr '\n' ' ')on bridge $BRIDGE ($NET.0/24)"
+fi
+
 # ---- configuration
 CPUS="${MEGAPKL_SLURM_CPUS:-$(nproc)}"
 MEM_MB="${MEGAPKL_SLURM_MEM_MB:-$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)}"
@@ -117,6 +151,11 @@ if [ -e /etc/slurm/slurm.conf ] && ! head -1 /etc/slurm/slurm.conf | grep -qF "$
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+NS_NODE_LINES=""
+for i in $(seq 1 "$NS_NODES"); do
+  NS_NODE_LINES+="NodeName=mpn$i NodeAddr=$NET.1$i CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB State=UNKNOWN
+"
+done
 cat >"$tmp/slurm.conf" <<EOF
 $MARKER; regenerated on every run.
 ClusterName=$CLUSTER
@@ -143,21 +182,28 @@ SchedulerParameters=sched_interval=2,bf_interval=5
 KillWait=10
 MinJobAge=600
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
-SlurmdPidFile=$RUN_DIR/slurmd.pid
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 StateSaveLocation=$SPOOL/ctld
-SlurmdSpoolDir=$SPOOL/d
+SlurmdSpoolDir=$SPOOL/d-%n
 SlurmctldPort=6817
 SlurmdPort=6818
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=6819
 JobCompType=jobcomp/none
-# A node named independently of the machine's hostname; slurmd is started with -N localhost.
+# The namespace nodes come first: while the node table holds a single node named 'localhost',
+# slurmctld resolves every node name to it (and then calls the next node line a duplicate).
+${NS_NODE_LINES}# A node named independently of the machine's hostname; slurmd is started with -N localhost.
 NodeName=localhost NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=$PARTITION Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+if [ "$NS_NODES" -gt 0 ]; then
+  # slurmd in a namespace reaches slurmctld (and clients reach it) at the bridge address.
+  echo "SlurmctldAddr=$NET.1" >>"$tmp/slurm.conf"
+  echo "PartitionName=${PARTITION}2 Nodes=mpn[1-$NS_NODES] MaxTime=INFINITE State=UP" >>"$tmp/slurm.conf"
+fi
 cat >"$tmp/slurmdbd.conf" <<EOF
 $MARKER; regenerated on every run.
 AuthType=auth/munge
@@ -182,11 +228,11 @@ done
 chmod 644 /etc/slurm/slurm.conf
 if [ "$changed" = 1 ]; then
   log "configuration written: /etc/slurm/slurm.conf (CPUs=$CPUS RealMemory=${MEM_MB}MB partition=$PARTITION)"
-  for d in slurmd slurmctld slurmdbd; do   # restart whatever runs with an old configuration
-    if alive "$RUN_DIR/$d.pid"; then
-      log "restarting $d for the new configuration"
-      kill "$(cat "$RUN_DIR/$d.pid")"
-      for _ in $(seq 1 40); do alive "$RUN_DIR/$d.pid" || break; sleep 0.5; done
+  for f in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid" "$RUN_DIR/slurmctld.pid" "$RUN_DIR/slurmdbd.pid"; do
+    if alive "$f"; then   # restart whatever runs with an old configuration
+      log "restarting $(basename "$f" .pid) for the new configuration"
+      kill "$(cat "$f")"
+      for _ in $(seq 1 40); do alive "$f" || break; sleep 0.5; done
     fi
   done
 fi
@@ -202,22 +248,33 @@ if ! alive "$RUN_DIR/slurmctld.pid"; then
   wait_for "slurmctld" 60 scontrol ping
   log "slurmctld started (pid $(cat "$RUN_DIR/slurmctld.pid"))"
 fi
-if ! alive "$RUN_DIR/slurmd.pid"; then
+if ! alive "$RUN_DIR/slurmd-localhost.pid"; then
   /usr/sbin/slurmd -N localhost
-  wait_for "slurmd pid file" 30 alive "$RUN_DIR/slurmd.pid"
-  log "slurmd started (pid $(cat "$RUN_DIR/slurmd.pid"))"
+  wait_for "slurmd pid file" 30 alive "$RUN_DIR/slurmd-localhost.pid"
+  log "slurmd started (pid $(cat "$RUN_DIR/slurmd-localhost.pid"))"
 fi
+for i in $(seq 1 "$NS_NODES"); do   # inside its namespaces, with its own host name
+  if ! alive "$RUN_DIR/slurmd-mpn$i.pid"; then
+    # nsenter, not `ip netns exec`: that remounts /sys, hiding /sys/fs/cgroup from slurmd
+    nsenter --net="/run/netns/mpn$i" unshare --uts sh -c "hostname mpn$i && exec /usr/sbin/slurmd -N mpn$i"
+    wait_for "slurmd mpn$i pid file" 30 alive "$RUN_DIR/slurmd-mpn$i.pid"
+    log "slurmd mpn$i started (pid $(cat "$RUN_DIR/slurmd-mpn$i.pid"), $NET.1$i in netns mpn$i)"
+  fi
+done
 
 # ---- readiness: the node is schedulable and accounting answers
-node_ready() {
+node_ready() {  # node_ready NAME
   local state
-  state=$(sinfo -h -n localhost -o %T 2>/dev/null | head -1)
+  state=$(sinfo -h -n "$1" -o %T 2>/dev/null | head -1)
   case "$state" in
     idle|mixed|allocated|completing) return 0 ;;
-    drained*|draining|down*|fail*) scontrol update NodeName=localhost State=RESUME >/dev/null 2>&1 || true; return 1 ;;
+    drained*|draining|down*|fail*) scontrol update NodeName="$1" State=RESUME >/dev/null 2>&1 || true; return 1 ;;
     *) return 1 ;;
   esac
 }
-wait_for "node localhost to be schedulable (sinfo)" "$TIMEOUT_S" node_ready
+wait_for "node localhost to be schedulable (sinfo)" "$TIMEOUT_S" node_ready localhost
+for i in $(seq 1 "$NS_NODES"); do
+  wait_for "node mpn$i to be schedulable (sinfo)" "$TIMEOUT_S" node_ready "mpn$i"
+done
 wait_for "accounting (sacct)" "$TIMEOUT_S" sacct -n -X -S now-1hour
 log "ready: $(sinfo -h -o '%P %a %D %T %C' | head -1) (partition nodes state cpus A/I/O/T)"

@@ -48,11 +48,26 @@ stop() {  # stop NAME EXPECTED_COMM: TERM, wait up to 20 s, then KILL
   log "stopped $name (pid $pid)"
 }
 
-stop slurmd slurmd
+# localhost and the namespace nodes (slurmd.pid: written by an older setup); not slurmdbd.pid
+for f in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid"; do
+  [ -e "$f" ] && stop "$(basename "$f" .pid)" slurmd
+done
 stop slurmctld slurmctld
 stop slurmdbd slurmdbd
 stop mariadbd mariadbd
 stop munged munged
+
+# The namespace nodes' network: namespaces, bridge, their /etc/hosts lines.
+for ns in $(ip netns list 2>/dev/null | grep -o '^mpn[0-9]*'); do
+  ip link del "veth-$ns" 2>/dev/null
+  ip netns del "$ns" && log "removed network namespace $ns"
+done
+ip link show mpslurm0 >/dev/null 2>&1 && ip link del mpslurm0 && log "removed bridge mpslurm0"
+if grep -q "# megapkl-slurm-netns" /etc/hosts; then
+  # /etc/hosts may be a bind mount: rewrite it in place rather than replacing the file.
+  grep -v "# megapkl-slurm-netns" /etc/hosts >/tmp/megapkl-hosts.$$ && cat /tmp/megapkl-hosts.$$ >/etc/hosts
+  rm -f /tmp/megapkl-hosts.$$
+fi
 
 if [ "${MEGAPKL_SLURM_WIPE:-0}" = 1 ]; then
   rm -rf "$SPOOL"

@@ -1,0 +1,231 @@
+"""`megapkl plan CONFIG [--profile P]`: will the run fit its GPUs, and how long is an update?
+
+Per-GPU memory of the most loaded rank (pipeline stage 0 holds the embedding and, under 1F1B, PP
+micro-batches of activations; the last stage holds the output layer):
+
+- parameters in the model dtype (bf16: 2 bytes; fp32: 4), this rank's TP/PP/EP shard;
+- gradients in fp32 (megatron's main-grad buffer): 4 bytes per local parameter;
+- fp32 main parameters and Adam's two moments (12 bytes per parameter; the main copy only when the
+  model is bf16), sharded by the distributed optimizer over the data x context ranks (experts over
+  the expert-data-parallel ranks);
+- activations of one micro-batch, Korthikanti et al. (2022) for TP + SP transformers with
+  flash attention (no s^2 scores kept): per layer 34 s b h / t bytes without recompute or with
+  selective recompute, 2 s b h / t (the layer input) with full recompute; s = sequence / CP;
+  times the layers of a stage and the PP micro-batches in flight on stage 0;
+- the log-prob path: the vocab-parallel logits of a micro-batch in fp32 plus their gradient
+  (8 bytes per element) and the bf16 logits (2), s b V / t elements;
+- colocated SGLang engines hold `mem_fraction_static` of the GPU while generating; the trainer's
+  parameters, gradients and optimizer state stay resident then (activations are free), so that
+  phase is checked too.
+
+FLOPs per update: 6 N T for the policy forward + backward plus 2 N T for each extra forward (the
+proximal reference and the initial model when their log-probs are recomputed), plus causal
+attention 6 L s h_attn per token (forward + backward), T = responses per update x (max prompt +
+max response) tokens, an upper bound. Step time = FLOPs / (GPUs x peak x MFU).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+GIB = 1024 ** 3
+DEFAULT_MFU = 0.35
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sp: bool = False
+
+
+# ------------------------------------------------------------------ parameters
+
+
+def padded_vocab(spec, tp: int) -> int:
+    return spec.padded_vocab_size(tp)
+
+
+def layer_params(spec, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer held by one rank."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_query_groups * hd
+    attn = h * (q + 2 * kv) // tp + q * h // tp
+    norms = 2 * h + (2 * hd if spec.qk_layernorm else 0)
+    if not spec.is_moe:
+        return attn + norms + 3 * h * spec.ffn_hidden_size // tp, 0
+    router = h * spec.num_experts
+    experts = spec.num_experts // ep * 3 * h * spec.moe_ffn_hidden_size  # expert TP = 1
+    return attn + norms + router, experts
+
+
+def stage_params(spec, lay: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters of pipeline stage `stage` on one rank."""
+    dense, expert = layer_params(spec, lay.tp, lay.ep)
+    layers = spec.num_layers // lay.pp
+    dense, expert = dense * layers, expert * layers
+    emb = padded_vocab(spec, lay.tp) * spec.hidden_size // lay.tp
+    if stage == 0:
+        dense += emb
+    if stage == lay.pp - 1:
+        dense += spec.hidden_size  # final norm
+        if not spec.tie_word_embeddings or lay.pp > 1:
+            dense += emb  # the output layer (a tied one is a copy on the last stage)
+    return dense, expert
+
+
+def total_params(spec, active: bool = False) -> int:
+    """Whole-model parameters (active: only the routed experts of a token count)."""
+    lay = Layout()
+    dense, expert = stage_params(spec, lay, 0)
+    if active and spec.is_moe:
+        expert = expert * spec.moe_router_topk // spec.num_experts
+    return dense + expert
+
+
+# ------------------------------------------------------------------ memory
+
+
+@dataclasses.dataclass
+class Plan:
+    rows: list[tuple[str, float]]  # (what, GiB) of the most loaded rank while training
+    train_gib: float
+    rollout_gib: float  # resident trainer state + colocated engines while generating
+    gpu_gib: Optional[float]
+    flops: float
+    step_s: Optional[float]
+    mfu: float
+    layout: Layout
+    gpus: int
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_gib is None or max(self.train_gib, self.rollout_gib) <= self.gpu_gib
+
+    def table(self) -> str:
+        lay = self.layout
+        head = (f"layout TP={lay.tp} PP={lay.pp} CP={lay.cp} EP={lay.ep} DP={lay.dp} "
+                f"SP={'on' if lay.sp else 'off'} on {self.gpus} GPUs")
+        w = 56
+        lines = [head, f"{'per-GPU memory (most loaded rank)':<{w + 2}}{'GiB':>8}"]
+        lines += [f"  {name:<{w}}{gib:>8.2f}" for name, gib in self.rows]
+        lines.append(f"  {'= training peak':<{w}}{self.train_gib:>8.2f}")
+        lines.append(f"  {'= while generating (resident state + colocated engines)':<{w}}"
+                     f"{self.rollout_gib:>8.2f}")
+        if self.gpu_gib is None:
+            lines.append(f"  {'GPU memory':<{w}}{'?':>8}  (the profile sets no gpu_mem_gib)")
+        else:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(f"  {'GPU memory':<{w}}{self.gpu_gib:>8.1f}  -> {verdict}")
+        lines.append(f"model FLOPs per update: {self.flops:.3e}")
+        if self.step_s is not None:
+            lines.append(f"step time at MFU {self.mfu:.2f}: {self.step_s:.1f} s")
+        return "\n".join(lines)
+
+
+def _layout(cfg) -> Layout:
+    p = cfg.parallel
+    dp = p.data if isinstance(p.data, int) else 1
+    return Layout(tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert, dp=dp,
+                  sp=p.sequence_parallel)
+
+
+def layer_activation_bytes(s: float, b: int, h: int, heads: int, t: int, recompute: str,
+                           bytes_per: int = 2, flash: bool = True) -> float:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 2 with
+    SP): 34 s b h / t in 16-bit, plus 5 a s^2 b / t when attention scores are materialized (no
+    flash attention); full recompute keeps only the layer input, 2 s b h / t."""
+    scale = bytes_per / 2
+    if recompute == "full":
+        return 2 * s * b * h / t * scale
+    scores = 0.0 if flash or recompute == "selective" else 5 * heads * s * s * b / t
+    return (34 * s * b * h / t + scores) * scale
+
+
+def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float]:
+    """(rows, resident bytes) of pipeline stage 0 and the last stage, whichever is larger."""
+    ro = cfg.rollout
+    bf16 = cfg.model.dtype == "bf16"
+    best: Optional[tuple[float, list, float]] = None
+    for stage in sorted({0, lay.pp - 1}):
+        dense, expert = stage_params(spec, lay, stage)
+        n = dense + expert
+        dp_cp = lay.dp * lay.cp
+        edp = max(1, dp_cp // lay.ep)
+        opt_bytes = 12 if bf16 else 8  # fp32 main copy + Adam m, v (fp32 model: no main copy)
+        rows = [("parameters (" + ("bf16" if bf16 else "fp32") + ")", n * (2 if bf16 else 4)),
+                ("gradients (fp32 main grads)", n * 4),
+                (f"optimizer: main params + Adam moments / DP ({dp_cp})",
+                 dense * opt_bytes / dp_cp + expert * opt_bytes / edp)]
+        s = (ro.max_prompt_len + ro.max_response_len) / lay.cp
+        b, h = cfg.parallel.micro_batch_size, spec.hidden_size
+        t = lay.tp if lay.sp else 1
+        per_layer = layer_activation_bytes(s, b, h, spec.num_attention_heads, t,
+                                           cfg.model.recompute)
+        in_flight = lay.pp - stage  # 1F1B: stage k keeps pp - k micro-batches
+        rows.append((f"activations ({cfg.model.recompute} recompute, {in_flight} micro-batch)",
+                     per_layer * spec.num_layers / lay.pp * in_flight))
+        if stage == lay.pp - 1:
+            rows.append(("log-prob path (logits fp32 + grad + bf16)",
+                         s * b * padded_vocab(spec, lay.tp) / lay.tp * 10))
+        resident = sum(v for _, v in rows[:3])
+        total = sum(v for _, v in rows)
+        if best is None or total > best[0]:
+            best = (total, rows, resident)
+    _, rows, resident = best
+    return [(name, v / GIB) for name, v in rows], resident / GIB
+
+
+def update_flops(cfg, spec) -> float:
+    ro = cfg.rollout
+    seq = ro.max_prompt_len + ro.max_response_len
+    tokens = ro.responses_per_minibatch * seq
+    n = total_params(spec, active=True)
+    attn = 6 * spec.num_layers * seq / 2 * spec.num_attention_heads * spec.head_dim * 2
+    passes = 6 + 2 * (cfg.reference.mode != "behavior") + 2 * bool(cfg.objective.kl_init_coef > 0)
+    return tokens * (passes * n + attn)
+
+
+def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU) -> Plan:
+    """The plan of a resolved run config on a cluster profile (None: no capacity to check)."""
+    from megapkl.models.spec import spec_from_model_config
+
+    spec = spec_from_model_config(cfg.model)
+    lay = _layout(cfg)
+    rows, resident = memory_rows(cfg, spec, lay)
+    gpu = getattr(profile, "gpu_mem_gib", None) if profile is not None else None
+    train = sum(v for _, v in rows)
+    sg = cfg.rollout.sglang
+    engines = sg.mem_fraction_static * gpu if (cfg.rollout.engine == "sglang" and sg.colocate
+                                                and gpu is not None) else 0.0
+    gpus = lay.tp * lay.pp * lay.cp * lay.dp
+    flops = update_flops(cfg, spec)
+    peak = getattr(profile, "gpu_tflops", None) if profile is not None else None
+    step = flops / (gpus * peak * 1e12 * mfu) if peak else None
+    return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
+                flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus)
+
+
+def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
+                mfu: float = DEFAULT_MFU) -> Plan:
+    """Plan a run config file with a profile (default: its slurm.profile), the job shape filled in
+    as `megapkl submit` does; without any profile, the layout alone (no fit verdict)."""
+    import dataclasses as dc
+    from pathlib import Path
+
+    from megapkl.launch import submit as sub
+    from megapkl.launch.runconfig import prepare_run
+
+    overrides = list(overrides)
+    prep = prepare_run(config, overrides, cwd=Path.cwd())
+    if not (profile or prep.cfg.slurm.profile):
+        return plan(prep.cfg, None, mfu)
+    prof = sub.job_profile(prep, profile)
+    extra = sub.shape_overrides(prep, prof, profile or prep.cfg.slurm.profile)
+    if extra:
+        prep = dc.replace(prepare_run(config, overrides + extra, cwd=Path.cwd()),
+                          overrides=overrides)
+    return plan(prep.cfg, prof, mfu)

@@ -1,0 +1,119 @@
+"""`megapkl plan`: parameter and optimizer bytes equal what megatron-core allocates for the tiny
+models on CPU at several layouts; every paper experiment fits its profile; submit refuses a run
+that cannot fit (unless --force) with the planner's table in the message."""
+import pytest
+
+from megapkl.cli import main
+from megapkl.config import configs_dir, load_config
+from megapkl.launch.plan import Layout, plan, plan_config, stage_params
+from megapkl.models.spec import load_spec
+
+EXPERIMENTS = sorted(p for p in (configs_dir() / "experiments").rglob("*.yaml")
+                     if not p.name.startswith("_"))
+
+
+def _allocated(rank, world, name, tp, pp, ep, sp):
+    """(local parameters, gradient buffer elements, Adam exp_avg elements) megatron allocates."""
+    from megapkl.models.checkpoint import _allocate_torch_adam_state, _sub_optimizers
+    from megapkl.models.optimizer import OptimSettings, build_optimizer, wrap_ddp
+    from megapkl.models.provider import ModelOptions, build_model
+    from megapkl.parallel.groups import init_parallel
+
+    g = init_parallel(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, seed=0)
+    model = build_model(load_spec(name), ModelOptions(dtype="fp32", sequence_parallel=sp))
+    params = sum(p.numel() for p in model.parameters())
+    ddp = wrap_ddp([model], OptimSettings())
+    grads = sum(b.grad_data.numel() for c in ddp for b in c.buffers + c.expert_parallel_buffers)
+    opt = build_optimizer(ddp, OptimSettings())
+    moments = 0
+    for sub in _sub_optimizers(opt):
+        _allocate_torch_adam_state(sub)
+        moments += sum(s["exp_avg"].numel() for s in sub.optimizer.state.values())
+    return g.pp_rank, g.dp_size, params, grads, moments
+
+
+LAYOUTS = [("tiny-qwen3", 1, 1, 1, False, 2), ("tiny-qwen3", 2, 1, 1, True, 2),
+           ("tiny-qwen3", 1, 2, 1, False, 2), ("tiny-qwen3-moe", 1, 1, 2, False, 2)]
+
+
+@pytest.mark.parametrize("name,tp,pp,ep,sp,world", LAYOUTS,
+                         ids=[f"{n}-tp{t}-pp{p}-ep{e}" for n, t, p, e, _, _ in LAYOUTS])
+def test_parameter_and_optimizer_bytes_match_megatron(dist_run, name, tp, pp, ep, sp, world):
+    spec = load_spec(name)
+    for pp_rank, dp, params, grads, moments in dist_run(_allocated, world, name, tp, pp, ep, sp):
+        lay = Layout(tp=tp, pp=pp, ep=ep, dp=dp, sp=sp)
+        dense, expert = stage_params(spec, lay, pp_rank)
+        assert params == dense + expert, (pp_rank, params, dense, expert)
+        # megatron pads its grad buffer to a multiple of the DP size (x 128 per bucket)
+        assert dense + expert <= grads <= dense + expert + 128 * dp * 2
+        expect = dense / dp + expert / max(1, dp // ep)
+        assert abs(moments - expect) <= 128 * 2, (moments, expect)
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
+def test_every_experiment_fits_its_profile(path):
+    cfg = load_config(path)
+    p = plan_config(str(path), cfg.slurm.profile or "h100")
+    assert p.gpu_gib is not None and p.fits, p.table()
+
+
+def test_plan_cli_and_submit_refuses_a_run_that_cannot_fit(capsys, tmp_path):
+    cfg = "configs/experiments/pkl_periodic/qwen3_32b_pkl.yaml"
+    assert main(["plan", cfg, "--profile", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "-> fits" in out and "model FLOPs per update" in out
+    # no tensor/pipeline parallelism: 32B on one GPU's worth of layout cannot fit 80 GB
+    big = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
+           "parallel.sequence_parallel=false", f"run_dir={tmp_path / 'r'}"]
+    assert main(["plan", cfg, *big, "--profile", "h100"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["submit", cfg, *big, "--profile", "h100", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit h100's GPUs" in err and "DOES NOT FIT" in err
+    assert main(["submit", cfg, *big, "--profile", "h100", "--dry-run", "--force"]) == 0
+    capsys.readouterr()
+
+
+def test_without_a_profile_memory_has_no_verdict():
+    p = plan(load_config("configs/demo/cpu_demo.yaml"), None)
+    assert p.gpu_gib is None and p.fits and "sets no gpu_mem_gib" in p.table()
+
+
+def _saved_activation_bytes(rank, world, seq):
+    """Bytes of the tensors a tiny-qwen3 forward keeps for backward (autograd's saved tensors,
+    each storage once; parameters excluded), at micro-batch 1 and sequence length `seq`."""
+    import torch
+
+    from megapkl.models.provider import ModelOptions, build_model
+    from megapkl.parallel.groups import init_parallel
+
+    init_parallel(seed=0)
+    model = build_model(load_spec("tiny-qwen3"), ModelOptions(dtype="fp32"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, 128, (1, seq))
+    pos = torch.arange(seq).unsqueeze(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, pos, None)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("seq", [128, 512])
+def test_activation_estimate_within_a_factor_of_two_of_the_cpu_forward(dist_run, seq):
+    """The CPU model is fp32 with unfused attention (scores kept): the same formula with 4-byte
+    activations and the 5 a s^2 b term, plus the fp32 logits, within 2x of what autograd keeps."""
+    from megapkl.launch.plan import layer_activation_bytes
+
+    spec = load_spec("tiny-qwen3")
+    (measured,) = dist_run(_saved_activation_bytes, 1, seq)
+    per_layer = layer_activation_bytes(seq, 1, spec.hidden_size, spec.num_attention_heads, 1,
+                                       "none", bytes_per=4, flash=False)
+    estimate = per_layer * spec.num_layers + seq * spec.padded_vocab_size(1) * 4
+    assert 0.5 <= measured / estimate <= 2.0, (measured, estimate)

@@ -1,0 +1,36 @@
+"""Helpers for the fault tests: tiny CPU trainer runs in forked ranks (megatron imported once)."""
+import pytest
+
+from megapkl.config import load_config
+
+DEMO = "configs/demo/cpu_demo.yaml"
+TINY = ["logging.tensorboard=false", "logging.progress_bar=false", "rollout.prompts_per_batch=4",
+        "rollout.responses_per_prompt=4", "rollout.max_response_len=4",
+        "parallel.micro_batch_size=4", "rollout.refresh_every=2", "reference.refresh_every=2",
+        "checkpoint.every=2", "checkpoint.keep=null"]
+TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s", "time/version_load_s")
+
+
+def tiny_cfg(run_dir, *overrides, data=1):
+    return load_config(DEMO, [*TINY, f"parallel.data={data}", f"run_dir={run_dir}", *overrides])
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.fixture
+def train(dist_run):
+    """train(cfg, world=1, patch=None): run the trainer on `world` forked ranks; `patch(rank)` runs
+    first inside each rank (to inject a fault)."""
+    def run(cfg, world=1, patch=None, timeout=300):
+        return dist_run(_rank, world, cfg, patch, timeout=timeout)
+    return run
+
+
+def _rank(rank, world, cfg, patch):
+    if patch is not None:
+        patch(rank)
+    from megapkl.train.loop import run
+
+    return run(cfg)
