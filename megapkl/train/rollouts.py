@@ -53,9 +53,6 @@ class RolloutStage:
     def __init__(self, cfg, spec, *, dp_rank: int, dp_size: int, leader: bool,
                  replica_group: Any, dp_group: Any) -> None:
         r = cfg.rollout
-        if r.engine != "embedded":
-            raise RolloutError("rollout.engine: sglang is not available in this build; use "
-                               "rollout.engine: embedded")
         if r.prompts_per_batch % (dp_size * r.minibatches_per_batch):
             raise RolloutError(
                 f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
@@ -75,10 +72,9 @@ class RolloutStage:
         self.engine = None
         if leader:
             from megapkl.models.spec import hf_config_dict
-            from megapkl.rollout.embedded import EmbeddedEngine
+            from megapkl.rollout.factory import build_engine
 
-            self.engine = EmbeddedEngine(hf_config_dict(spec, dtype="float32"),
-                                         tokenizer=self.tokenizer, seed=cfg.seed)
+            self.engine = build_engine(cfg, hf_config_dict(spec, dtype="float32"), self.tokenizer)
 
     # ------------------------------------------------------------------ weights
 
