@@ -26,6 +26,7 @@ import json
 import shutil
 import socket
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -92,9 +93,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def open_update_group(backend: str, address: str, port: int, world_size: int, rank: int,
-                      group_name: str, timeout_s: float):
+                      group_name: str, timeout_s: float, local_name: Optional[str] = None):
     """A process group outside the default world (what SGLang's servers open on their side of
-    `/init_weights_update_group`): TCP rendezvous at address:port, store prefixed by group name."""
+    `/init_weights_update_group`): TCP rendezvous at address:port, store prefixed by group name.
+    `local_name` registers it under another name in this process (two members in one process)."""
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
@@ -103,7 +105,8 @@ def open_update_group(backend: str, address: str, port: int, world_size: int, ra
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                        group_name=group_name, timeout=timeout)
+                                        group_name=local_name or group_name,
+                                        timeout=timeout)
     pg = pg[0] if isinstance(pg, tuple) else pg
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -236,7 +239,7 @@ class WeightSync:
         self.close_group(targets)
         backend = self.s.group_backend or ("nccl" if device.type == "cuda" else "gloo")
         self._groups_made += 1
-        name = f"megapkl-weights-{self._groups_made}"
+        name = f"megapkl-weights-{uuid.uuid4().hex[:12]}"
         port = free_port(self.s.group_address)
         world = 1 + sum(t.tp for t in targets)
         offsets, o = [], 1
