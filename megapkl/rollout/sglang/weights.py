@@ -201,7 +201,8 @@ class WeightSync:
             self._all(targets, "begin_weight_update", lambda t: {})
             self._send(targets, named_tensors, version)
             self._all(targets, "end_weight_update", lambda t: {})
-            self._all(targets, "update_weight_version", lambda t: {"new_version": str(version)})
+            self._all(targets, "update_weight_version",
+                      lambda t: {"new_version": str(version), "abort_all_requests": False})
         except (http.ServerError, http.ServerUnreachable) as exc:
             self._group = None  # a failed broadcast leaves the group unusable
             raise WeightUpdateError(f"weight sync to version {version} failed: {exc}") from exc
