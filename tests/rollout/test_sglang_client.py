@@ -29,10 +29,10 @@ def _item(ids, logps, *, top=None, version="3", finish=None, experts=None):
 def test_generate_payload_fields_and_values():
     s = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5, topk_logprobs=3,
                        stop_token_ids=(2, 9), return_routed_experts=True)
-    body = P.generate_payload([5, 6], s, n=4, seed=11, rid="r")
+    body = P.generate_payload([5, 6], s, n=4, seed=11)
     assert body["input_ids"] == [5, 6] and body["logprob_start_len"] == -1
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 3
-    assert body["return_routed_experts"] is True and body["rid"] == ["r-0", "r-1", "r-2", "r-3"]
+    assert body["return_routed_experts"] is True
     assert body["sampling_params"] == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9,
                                        "top_k": 5, "ignore_eos": False, "n": 4,
                                        "stop_token_ids": [2, 9], "sampling_seed": 11}

@@ -69,7 +69,7 @@ def launch_fleet(cfg: Any, hf_config: dict, work: Path) -> Fleet:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
-            port = pick_ports(sg.host, sg.base_port + 1000, 1, [s.url for s in specs])[0]
+            port = pick_ports(sg.host, sg.base_port + 1000, 1)[0]
             url = f"http://{sg.host}:{port}"
             fleet.router = ServerProcess("router", url, router_command(
                 sg, [w.url for w in workers], sg.host, port), work / "logs" / "router.log").start()

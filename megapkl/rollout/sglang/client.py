@@ -13,7 +13,6 @@ flight on the failed server. Every Sample carries the weight version its server 
 """
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
@@ -61,7 +60,6 @@ class SGLangEngine(RolloutEngine):
         self.max_retries = max_retries
         self._weights: Optional[list[tuple[str, Tensor]]] = None
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-req")
-        self._rids = itertools.count()
         fleet.resync = self._resync
         if heartbeat:
             fleet.start_heartbeat()
@@ -138,15 +136,14 @@ class SGLangEngine(RolloutEngine):
     def _generate_group(self, prompt: PromptItem, n: int, sampling: SamplingParams,
                         index: int) -> list[Decoded]:
         body = generate_payload(prompt.prompt_ids.tolist(), sampling, n,
-                                seed=request_seed(sampling.seed, index),
-                                rid=f"megapkl-{next(self._rids)}")
+                                seed=request_seed(sampling.seed, index))
         errors: list[str] = []
         for _ in range(self.max_retries + 1):
             url = self.fleet.pick()
             try:
                 answer = http.request(url, "generate", body, timeout=self.request_timeout_s,
                                       connections=self.fleet.connections)
-                decoded = [decode_response(item, prompt_len=prompt.prompt_len, sampling=sampling,
+                decoded = [decode_response(item, prompt_len=int(prompt.prompt_ids.numel()), sampling=sampling,
                                            hf_config=self.hf_config)
                            for item in as_response_list(answer, n)]
             except http.ServerError as exc:
@@ -194,6 +191,6 @@ def _request_error(exc: http.ServerError, sampling: SamplingParams) -> ValueErro
         return ValueError(f"model.routing_replay: the server cannot return routed experts "
                           f"({exc.url}: {msg}); start it with --enable-return-routed-experts "
                           "and a mixture-of-experts model")
-    if "max_new_tokens" in msg or "context" in msg or "length" in msg:
+    if "max_new_tokens" in msg or "context length" in msg:
         return ValueError(f"rollout.max_prompt_len / rollout.max_response_len: {exc.url}: {msg}")
     return ValueError(f"/generate refused by {exc.url}: {msg}")

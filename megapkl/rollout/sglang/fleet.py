@@ -107,11 +107,20 @@ class Fleet:
         self.connections.cut(w.url)
 
     def _router_call(self, op: str, w: Worker) -> None:
+        """sglang-router's worker API: POST /workers {url}; DELETE /workers/{id} (id from GET)."""
         if self.router_url is None:
             return
+        t = self.health.timeout_s
         try:
-            http.request(self.router_url, f"/{op}?url={quote(w.url, safe='')}", method="POST",
-                         timeout=self.health.timeout_s)
+            if op == "add_worker":
+                http.request(self.router_url, "/workers", {"url": w.url}, method="POST", timeout=t)
+                return
+            listing = http.request(self.router_url, "/workers", method="GET", timeout=t)
+            for entry in (listing or {}).get("workers", []):
+                if entry.get("url") == w.url:
+                    wid = entry.get("id") or entry.get("worker_id") or w.url
+                    http.request(self.router_url, f"/workers/{quote(str(wid), safe='')}",
+                                 method="DELETE", timeout=t)
         except (http.ServerError, http.ServerUnreachable) as exc:
             self._event(w, f"router {op} failed: {exc}")
 

@@ -144,8 +144,10 @@ def server_command(sg: Any, *, model_path: str, host: str, port: int, fp8: bool,
 def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int) -> list[str]:
     cmd = list(sg.router_command) if sg.router_command else [
         sys.executable, "-m", "sglang_router.launch_router"]
+    metrics = pick_ports(host, port + 1, 1)[0]  # its Prometheus listener must not collide
     return cmd + ["--worker-urls", *worker_urls, "--policy", sg.router_policy,
-                  "--host", host, "--port", str(port)]
+                  "--host", host, "--port", str(port), "--prometheus-host", host,
+                  "--prometheus-port", str(metrics)]
 
 
 def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float,

@@ -51,7 +51,7 @@ ROUTES: dict[str, tuple[str, str]] = {
 
 # Top-level fields of a /generate body (SGLang's GenerateReqInput).
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                             "top_logprobs_num", "return_routed_experts", "rid", "stream"})
+                             "top_logprobs_num", "return_routed_experts", "stream"})
 # Keys of `sampling_params` (SGLang's closed SamplingParams set; an unknown key is HTTP 400).
 SAMPLING_FIELDS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                              "ignore_eos", "n", "sampling_seed"})
@@ -113,7 +113,7 @@ def sampling_payload(sampling: SamplingParams, n: int, seed: Optional[int]) -> d
 
 
 def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int,
-                     seed: Optional[int] = None, rid: Optional[str] = None) -> dict[str, Any]:
+                     seed: Optional[int] = None) -> dict[str, Any]:
     """A /generate body: one prompt, `n` responses, log-probs of the response tokens only
     (`logprob_start_len` -1), top-K when `sampling.topk_logprobs`, routed experts when asked."""
     body: dict[str, Any] = {
@@ -127,8 +127,6 @@ def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int
         body["top_logprobs_num"] = int(sampling.topk_logprobs)
     if sampling.return_routed_experts:
         body["return_routed_experts"] = True
-    if rid is not None:
-        body["rid"] = rid if n == 1 else [f"{rid}-{j}" for j in range(n)]
     return check_fields("generate", body)
 
 
