@@ -224,8 +224,8 @@ class Fleet:
             self._event(w, "stale: back, waiting for weights")
         if w.state == "stale" and self._alive(w):
             with self.lock:
-                if self.version is None or self.resync is None:
-                    return
+                if self.version is None or self.resync is None or w.state == "ready":
+                    return  # (an engine-wide push may have admitted it meanwhile)
                 try:
                     self.resync([w])
                 except Exception as exc:  # noqa: BLE001 - stays stale, retried next beat

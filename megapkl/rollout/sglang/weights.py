@@ -190,6 +190,7 @@ class WeightSync:
         if not targets:
             raise WeightUpdateError("weight sync: no server to update")
         paused: list[Target] = []
+        session = False
         try:
             for t in targets:
                 self._call(t.url, "pause_generation", {"mode": self.s.pause_mode})
@@ -198,8 +199,10 @@ class WeightSync:
                 self._flush(t.url)
             if self.s.colocate:
                 self._all(targets, "resume_memory_occupation", lambda t: {})
+            session = True
             self._all(targets, "begin_weight_update", lambda t: {})
             self._send(targets, named_tensors, version)
+            session = False
             self._all(targets, "end_weight_update", lambda t: {})
             self._all(targets, "update_weight_version",
                       lambda t: {"new_version": str(version), "abort_all_requests": False})
@@ -207,6 +210,11 @@ class WeightSync:
             self._group = None  # a failed broadcast leaves the group unusable
             raise WeightUpdateError(f"weight sync to version {version} failed: {exc}") from exc
         finally:
+            for t in paused if session else ():  # a failed sync must not leave a session open
+                try:
+                    self._call(t.url, "end_weight_update")
+                except (http.ServerError, http.ServerUnreachable):
+                    pass
             for t in paused:
                 try:
                     self._call(t.url, "continue_generation")
