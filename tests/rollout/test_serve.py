@@ -418,3 +418,14 @@ def test_pause_in_place_keeps_request_across_update(dense, dense_model):
     spans = meta["weight_versions"]
     assert meta["weight_version"] == "p2" and [s["version"] for s in spans][-1] == "p2"
     assert len(spans) == 2 and spans[0]["end"] == spans[1]["start"] > 0
+
+
+def test_tensor_route_refused_beyond_loopback_without_flag(dense):
+    from megapkl.rollout.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    app = SGLangCompatServer(dense.state, host="0.0.0.0", allow_tensor_updates=False)
+    status, out = app.dispatch("POST", "/update_weights_from_tensor",
+                               {"serialized_named_tensors": ["x"]})
+    assert status == 400 and "not loopback" in out["error"]["message"]
