@@ -429,3 +429,46 @@ def test_tensor_route_refused_beyond_loopback_without_flag(dense):
     status, out = app.dispatch("POST", "/update_weights_from_tensor",
                                {"serialized_named_tensors": ["x"]})
     assert status == 400 and "not loopback" in out["error"]["message"]
+
+
+def test_build_from_hf_checkpoint_and_model_spec(dense_model, tmp_path):
+    from megapkl.rollout.serve import build_parser, build_state
+
+    dense_model.save_pretrained(tmp_path, safe_serialization=True)
+    state, tok = build_state(build_parser().parse_args(["--hf-checkpoint", str(tmp_path)]))
+    held = dict(state.engine.model.named_parameters())
+    for name, p in dense_model.named_parameters():
+        assert torch.equal(held[name], p.detach()), name
+    assert tok is None and state.model_path == str(tmp_path)
+    with pytest.raises(SystemExit, match="mixture-of-experts"):
+        build_state(build_parser().parse_args(["--model-config", "tiny-qwen3",
+                                               "--enable-return-routed-experts"]))
+
+
+def test_expand_layers_zero_fills_dense_layers():
+    from megapkl.rollout.serve import encode_routed_experts, expand_layers
+
+    moe_only = torch.tensor([[[1, 2]], [[3, 0]]], dtype=torch.int32)  # 2 rows, 1 MoE layer
+    full = expand_layers(moe_only, [2], 3)
+    assert full.shape == (2, 3, 2) and torch.equal(full[:, 2], moe_only[:, 0])
+    assert not full[:, :2].any()
+    back = decode_routed_experts(encode_routed_experts(full), 3, 2)
+    assert torch.equal(torch.from_numpy(back.copy()), full)
+
+
+def test_abort_request_by_rid(dense):
+    result = {}
+
+    def go():
+        result["out"] = dense.post("/generate", {"input_ids": [1, 2, 3], "rid": "victim",
+                                                 "sampling_params": {"max_new_tokens": 120,
+                                                                     "ignore_eos": True}})
+    thread = threading.Thread(target=go)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not dense.state.busy() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert dense.post("/abort_request", {"rid": "victim"})[0] == 200
+    thread.join(60)
+    meta = result["out"][1]["meta_info"]
+    assert meta["id"] == "victim" and meta["finish_reason"]["type"] == "abort"
