@@ -22,7 +22,8 @@ from sglang_fixtures import free_port, http
 from megapkl.rollout.embedded import EmbeddedEngine
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem
-from megapkl.rollout.serve import (SGLangCompatServer, decode_routed_experts, make_http_server)
+from megapkl.rollout.serve import SGLangCompatServer, make_http_server
+from megapkl.rollout.serve_protocol import decode_routed_experts
 from megapkl.rollout.serve_state import InterruptibleEngine, ServeState
 
 
@@ -446,7 +447,7 @@ def test_build_from_hf_checkpoint_and_model_spec(dense_model, tmp_path):
 
 
 def test_expand_layers_zero_fills_dense_layers():
-    from megapkl.rollout.serve import encode_routed_experts, expand_layers
+    from megapkl.rollout.serve_protocol import encode_routed_experts, expand_layers
 
     moe_only = torch.tensor([[[1, 2]], [[3, 0]]], dtype=torch.int32)  # 2 rows, 1 MoE layer
     full = expand_layers(moe_only, [2], 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_fixtures import http, router_workers, serve_cluster  # noqa: F401 (fixture)
+from sglang_fixtures import http, router_workers, serve_cluster  # noqa: F401,F811 (fixture)
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra")
 
