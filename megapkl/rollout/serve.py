@@ -385,7 +385,6 @@ class SGLangCompatServer:
                 "enable_return_routed_experts": self.state.enable_routed_experts,
                 "skip_tokenizer_init": self.tokenizer is None,
                 "context_length": getattr(cfg, "max_position_embeddings", None),
-                "max_top_logprobs_num": int(cfg.vocab_size),
                 "device": str(self.state.engine.device), "dtype": str(self.state.engine.dtype),
                 "weight_version": self.state.weight_version, "startup_time": self._start,
                 "internal_states": [{"paused": self.state.paused,

@@ -213,3 +213,32 @@ def test_serve_answers_every_client_route():
         path = protocol.ROUTES[name][1]
         assert set(used) <= set(serve.ROUTE_FIELDS.get(path, ())), (name, used)
     assert set(protocol.SAMPLING_FIELDS) <= set(serve.SAMPLING_FIELDS)
+
+
+def _sglang_model_info_keys(module: ast.Module) -> set[str]:
+    """Keys of the `result = {...}` literal of SGLang's /model_info handler."""
+    func = next(n for n in ast.walk(module) if isinstance(n, ast.AsyncFunctionDef)
+                and n.name == "model_info")
+    literal = next(n.value for n in ast.walk(func) if isinstance(n, ast.Assign)
+                   and isinstance(n.value, ast.Dict))
+    return {k.value for k in literal.keys if isinstance(k, ast.Constant)}
+
+
+def test_serve_model_info_has_sglang_keys(sglang_source):
+    """`/model_info` (what sglang-router reads to register a worker) answers SGLang's keys."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megapkl.rollout.serve import SGLangCompatServer
+
+    config = SimpleNamespace(num_hidden_layers=2, vocab_size=8, max_position_embeddings=16,
+                             model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    engine = SimpleNamespace(config=config, model=torch.nn.Module(), device="cpu",
+                             dtype=torch.float32)
+    state = SimpleNamespace(engine=engine, model_path="m", served_model_name="m",
+                            weight_version="default", enable_routed_experts=False)
+    ours = set(SGLangCompatServer(state).model_info())
+    want = _sglang_model_info_keys(sglang_source["http_server"])
+    assert {"model_path", "served_model_name", "model_type", "architectures"} <= want
+    assert ours == want
