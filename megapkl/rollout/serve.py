@@ -123,7 +123,7 @@ class SGLangCompatServer:
                 self._jobs.discard(job)
         for k, item in enumerate(group):
             item.samples = samples[k * n:(k + 1) * n]
-            item.spans = list(job.spans)
+            item.spans, item.retractions = list(job.spans), job.retractions
 
     def _validate_item(self, item: Item) -> None:
         if item.top_logprobs_num < 0:
@@ -159,7 +159,8 @@ class SGLangCompatServer:
             "id": rid, "finish_reason": finish_reason(s), "prompt_tokens": s.prompt_len,
             "completion_tokens": s.response_len, "cached_tokens": 0,
             "weight_version": item.spans[-1][0],
-            "weight_versions": _spans(item.spans, s.response_len), "num_retractions": 0,
+            "weight_versions": _spans(item.spans, s.response_len),
+            "num_retractions": item.retractions,
             "e2e_latency": None,
         }
         if item.return_logprob:

@@ -91,6 +91,7 @@ class Item:
     samples: list[Sample] = field(default_factory=list)
     error: Optional[str] = None
     spans: list = field(default_factory=list)
+    retractions: int = 0
 
 
 def _check_type(key: str, value: Any, kind: str) -> None:

@@ -187,6 +187,7 @@ class Job:
     admitted: int  # abort epoch at admission: an abort-all after it aborts this job
     aborted: bool = False
     spans: list[tuple[str, int]] = field(default_factory=list)  # (weight_version, first step)
+    retractions: int = 0  # times a `retract` pause sent it back to wait
 
 
 class ServeState:
@@ -235,6 +236,7 @@ class ServeState:
                 except _Interrupted as stop:
                     if stop.mode == "abort":
                         raise
+                    job.retractions += 1
                 finally:
                     with self._cond:
                         self._running, self._parked = None, False

@@ -397,6 +397,7 @@ def test_pause_retract_redoes_with_new_weights(dense, dense_model):
     status, out = result["out"]
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
     assert out["meta_info"]["weight_version"] == "r2"
+    assert out["meta_info"]["num_retractions"] == 1
 
 
 def test_pause_in_place_keeps_request_across_update(dense, dense_model):
