@@ -122,7 +122,9 @@ def test_buckets_respect_size_and_order():
 
 def test_tensor_payload_round_trips_bit_exact():
     named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16))]
-    payload = serialize_named_tensors(named)
+    payload, alive = serialize_named_tensors(named)
+    again, _ = serialize_named_tensors(named)  # every push gets segments of its own
+    assert not any(x.is_shared() for _, x in named) and payload != again
     back = pickle.loads(base64.b64decode(payload))  # ForkingPickler's loads is pickle.loads
     assert [n for n, _ in back] == ["a", "b"]
     for (_, x), (_, y) in zip(named, back):

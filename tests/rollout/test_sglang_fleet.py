@@ -141,7 +141,7 @@ def test_faults_hung_and_killed_workers_mid_batch(engine, reference):
     # It is killed, restarted with stale (random) weights, resynced, then re-admitted.
     t0 = time.monotonic()
     while w1.state != "ready" or w1.restarts < 1:
-        assert time.monotonic() - t0 < 240, engine.fleet.events
+        assert time.monotonic() - t0 < 150, "\n".join(map(str, engine.fleet.events))
         time.sleep(0.5)
     assert http.request(w1.url, "model_info", timeout=10)["weight_version"] == "21"
     events = [e for _, url, e in engine.fleet.events if url == w1.url]

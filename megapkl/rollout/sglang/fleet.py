@@ -230,6 +230,7 @@ class Fleet:
                     self.resync([w])
                 except Exception as exc:  # noqa: BLE001 - stays stale, retried next beat
                     w.last_error = f"resync failed: {exc}"
+                    self._event(w, w.last_error)
                     return
                 self.admit([w])
 

@@ -68,10 +68,12 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
         yield group
 
 
-def serialize_named_tensors(named_tensors: NamedTensors) -> str:
+def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
     """SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` format: base64 of a
     torch ForkingPickler pickle. CPU storages move to shared memory and travel by file name
-    (the 'file_system' strategy): unlike passed descriptors this works between unrelated processes."""
+    (the 'file_system' strategy): unlike passed descriptors this works between unrelated processes.
+    Returns the payload and the shared copies, which must stay alive until the server has read them
+    (a segment is unlinked when its last holder lets go)."""
     import base64
     import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
@@ -79,11 +81,26 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> str:
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
+        shared = [(n, _fresh_shared(t.detach())) for n, t in named_tensors]
         buf = io.BytesIO()
-        ForkingPickler(buf).dump([(n, t.detach()) for n, t in named_tensors])
+        ForkingPickler(buf).dump(shared)
     finally:
         tmp.set_sharing_strategy(previous)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
+
+
+def _fresh_shared(t: Tensor) -> Tensor:
+    """A CPU tensor's bytes in a new shared-memory segment (one copy). Never reuse a segment of an
+    earlier push: its name is unlinked once the server that opened it is gone, so a restarted
+    server could not open it again. GPU tensors travel by CUDA IPC handle, uncopied."""
+    if t.device.type != "cpu":
+        return t
+    try:
+        storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+        out = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape)
+    except (AttributeError, RuntimeError):  # older torch: copy, then move into shared memory
+        return t.clone().share_memory_()
+    return out.copy_(t)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -229,10 +246,11 @@ class WeightSync:
         stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
             for bucket in stream:
-                payload = serialize_named_tensors(self.transform(bucket))
+                payload, alive = serialize_named_tensors(self.transform(bucket))
                 self._all(targets, "update_weights_from_tensor",
                           lambda t: {"serialized_named_tensors": [payload] * t.tp,
                                      "flush_cache": False})
+                del alive  # the servers have read the bucket: its shared memory may go
         elif self.s.mode == "distributed":
             self._send_distributed(targets, stream)
         else:
