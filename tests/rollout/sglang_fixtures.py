@@ -13,7 +13,8 @@ the test. Logs go to files under the test's tmp_path (`cluster.logs`), and a fai
 healthy raises with the tail of the log.
 
 Import this module from a test file in tests/rollout (that directory is on sys.path through its
-conftest) and enable the fixtures with `pytest_plugins` or `from sglang_fixtures import *`.
+conftest) and bring the fixtures into the test module by name:
+`from sglang_fixtures import make_serve_cluster, serve_cluster  # noqa: F401`.
 """
 from __future__ import annotations
 
