@@ -181,7 +181,19 @@ def test_failed_update_names_server_and_lets_generation_continue(server, tmp_pat
     assert st["version"] is None
 
 
-def test_colocated_resumes_memory_and_bad_settings():
+def test_colocated_release_then_resume_before_the_push(server):
+    sync = WeightSync(SyncSettings(mode="tensor", colocate=True, timeout_s=30))
+    sync.release_memory([Target(server.url)])
+    sync.release_memory([Target(server.url)])  # already released: no second call
+    sync.push([Target(server.url)], _weights(), version=2)
+    sync.push([Target(server.url)], _weights(), version=3)  # not released: nothing to resume
+    routes = server.state()["routes"]
+    assert routes.count("release_memory_occupation") == 1
+    assert routes.count("resume_memory_occupation") == 1
+    assert routes.index("resume_memory_occupation") < routes.index("begin_weight_update")
+
+
+def test_bad_settings():
     with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
         SyncSettings(mode="nccl")
     with pytest.raises(ValueError, match="rollout.sglang.pause_mode"):

@@ -110,10 +110,18 @@ class SGLangEngine(RolloutEngine):
             raise WeightUpdateError("no weights to resync yet")
         self.sync.push([Target(w.url, w.tp) for w in workers], self._weights, self.fleet.version)
 
-    def release_memory(self) -> None:
-        """Colocated engines: free their GPU memory while the trainer runs."""
+    def _colocated_memory(self, release: bool) -> None:
+        """Colocated engines (rollout.sglang.colocate): their GPU memory goes to the trainer after
+        each generate and comes back before the next generate or push."""
+        if not self.sync.s.colocate:
+            return
         with self.fleet.lock:
-            self.sync.release_memory([Target(w.url, w.tp) for w in self.fleet.ready()])
+            targets = [Target(w.url, w.tp) for w in self.fleet.ready()]
+            try:
+                (self.sync.release_memory if release else self.sync.resume_memory)(targets)
+            except (http.ServerError, http.ServerUnreachable) as exc:
+                for w in self.fleet.ready():
+                    self.fleet.report_failure(w.url, exc)
 
     # ---- interface: generation -----------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
@@ -124,13 +132,20 @@ class SGLangEngine(RolloutEngine):
             raise RolloutEngineError("SGLangEngine holds no weights yet: push them with "
                                      "update_weights(named_tensors, version) first")
         group_ids, uids = self._allocate_ids(len(prompts), n)
+        self._colocated_memory(release=False)
         futures = [self._pool.submit(self._generate_group, p, n, sampling, i)
                    for i, p in enumerate(prompts)]
         samples: list[Sample] = []
-        for i, (prompt, fut) in enumerate(zip(prompts, futures)):
-            decoded = fut.result()
-            for j, d in enumerate(decoded):
-                samples.append(self._make_sample(prompt, group_ids[i], uids[i * n + j], d, sampling))
+        try:
+            for i, (prompt, fut) in enumerate(zip(prompts, futures)):
+                decoded = fut.result()
+                for j, d in enumerate(decoded):
+                    samples.append(self._make_sample(prompt, group_ids[i], uids[i * n + j], d,
+                                                     sampling))
+        finally:
+            for fut in futures:
+                fut.cancel()
+            self._colocated_memory(release=True)
         return samples
 
     def _generate_group(self, prompt: PromptItem, n: int, sampling: SamplingParams,

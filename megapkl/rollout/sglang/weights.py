@@ -172,6 +172,7 @@ class WeightSync:
         self._group: Optional[tuple[tuple, Any, str]] = None  # (membership, pg, name)
         self._groups_made = 0
         self._lock = threading.Lock()
+        self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
 
     # ------------------------------------------------------------------ calls
     def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
@@ -214,8 +215,7 @@ class WeightSync:
                 paused.append(t)
             for t in targets:
                 self._flush(t.url)
-            if self.s.colocate:
-                self._all(targets, "resume_memory_occupation", lambda t: {})
+            self.resume_memory(targets)
             session = True
             self._all(targets, "begin_weight_update", lambda t: {})
             self._send(targets, named_tensors, version)
@@ -239,8 +239,18 @@ class WeightSync:
                     pass  # a dead server is the fleet's business; the others must go on
 
     def release_memory(self, targets: Sequence[Target]) -> None:
-        """Colocated: free the servers' GPU memory for training (resumed by the next push)."""
-        self._all(targets, "release_memory_occupation", lambda t: {})
+        """Colocated: hand the servers' GPU memory (weights, KV cache) to the trainer."""
+        todo = [t for t in targets if t.url not in self.released]
+        if self.s.colocate and todo:
+            self._all(todo, "release_memory_occupation", lambda t: {})
+            self.released.update(t.url for t in todo)
+
+    def resume_memory(self, targets: Sequence[Target]) -> None:
+        """Colocated: take the memory back before a push or a generation."""
+        todo = [t for t in targets if t.url in self.released]
+        if todo:
+            self._all(todo, "resume_memory_occupation", lambda t: {})
+            self.released.difference_update(t.url for t in todo)
 
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stream = buckets(named_tensors, self.s.bucket_bytes)
