@@ -85,18 +85,21 @@ def main() -> None:
     ap.add_argument("--shape", choices=("qwen3-0.6b", "tiny"), default="qwen3-0.6b")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--port", type=int, default=37100)
+    ap.add_argument("--port", type=int, default=None, help="default: a free port")
     args = ap.parse_args()
 
     from megapkl.rollout.sglang import http
     from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync
 
+    from megapkl.rollout.sglang.weights import free_port
+
+    port = args.port or free_port()
     work = Path(tempfile.mkdtemp(prefix="megapkl_sync_bench_"))
     spec = spec_file(args.shape, work)
     weights = trainer_weights(spec)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    proc = start_worker(spec, args.port, work / "worker.log")
-    url = f"http://127.0.0.1:{args.port}"
+    proc = start_worker(spec, port, work / "worker.log")
+    url = f"http://127.0.0.1:{port}"
     try:
         base = memcpy_seconds(weights, args.repeats)
         rows = [{"what": "memory copy", "seconds": round(base, 3),
