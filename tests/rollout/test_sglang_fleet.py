@@ -123,6 +123,36 @@ def test_each_sync_mode_servers_hold_trainer_weights(engine, reference, mode):
         assert torch.equal(d.logp, expect.logp_behav)  # same floats: same weights, bit for bit
 
 
+def test_trainer_runs_through_router(engine, dist_run, tmp_path):
+    """`rollout.engine: sglang` in the real trainer (megatron-core learner), against the fixture's
+    workers and router given as urls/router_url (the fixture's heartbeat pauses meanwhile)."""
+    from megapkl.config import load_config
+    from megapkl.train.local import _rank_main
+    from megapkl.train.metrics_log import read_metrics
+
+    fleet = engine.fleet
+    fleet._stop.set()  # the trainer's own engine manages the workers meanwhile
+    fleet._thread.join(timeout=60)
+    fleet._stop, fleet._thread = threading.Event(), None
+    urls = json.dumps([w.url for w in engine.fleet.workers])
+    cfg = load_config("configs/demo/cpu_demo.yaml", [
+        "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.every=0",
+        "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4", "parallel.data=1",
+        "parallel.micro_batch_size=4", "train.steps=5", "rollout.refresh_every=2",
+        f"run_dir={tmp_path / 'run'}", "rollout.engine=sglang", f"rollout.sglang.urls={urls}",
+        f"rollout.sglang.router_url={engine.fleet.router_url}",
+        "rollout.sglang.weight_sync=distributed"])
+    try:
+        dist_run(_rank_main, 1, cfg, timeout=300)
+    finally:
+        fleet.start_heartbeat()  # the workers now hold version 4: the fixture resyncs them
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 5 and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0, 1, 0, 1, 0]  # versions as the servers report
+    for w in engine.fleet.workers:
+        assert http.request(w.url, "model_info", timeout=10)["weight_version"] == "4"
+
+
 def _signal_soon(proc, sig, delay):
     t = threading.Timer(delay, lambda: os.killpg(proc.popen.pid, sig))
     t.start()
@@ -214,27 +244,3 @@ def test_no_engine_for_too_long_names_engines_and_logs(tmp_path):
     assert "http://127.0.0.1:9 (dead" in msg and "3 failed checks" in msg
     assert isinstance(info.value, RolloutEngineError)
 
-
-def test_trainer_runs_through_router(engine, dist_run, tmp_path):
-    """`rollout.engine: sglang` in the real trainer (megatron-core learner), against the fixture's
-    workers and router given as urls/router_url; runs last: it takes the workers over."""
-    from megapkl.config import load_config
-    from megapkl.train.local import _rank_main
-    from megapkl.train.metrics_log import read_metrics
-
-    engine.fleet._stop.set()  # the trainer's own engine manages the workers from here on
-    engine.fleet._thread.join(timeout=30)
-    urls = json.dumps([w.url for w in engine.fleet.workers])
-    cfg = load_config("configs/demo/cpu_demo.yaml", [
-        "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.every=0",
-        "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4", "parallel.data=1",
-        "parallel.micro_batch_size=4", "train.steps=5", "rollout.refresh_every=2",
-        f"run_dir={tmp_path / 'run'}", "rollout.engine=sglang", f"rollout.sglang.urls={urls}",
-        f"rollout.sglang.router_url={engine.fleet.router_url}",
-        "rollout.sglang.weight_sync=distributed"])
-    dist_run(_rank_main, 1, cfg, timeout=300)
-    rows = read_metrics(tmp_path / "run")
-    assert len(rows) == 5 and all(math.isfinite(r["loss"]) for r in rows)
-    assert [r["staleness/max"] for r in rows] == [0, 1, 0, 1, 0]  # versions as the servers report
-    for w in engine.fleet.workers:
-        assert http.request(w.url, "model_info", timeout=10)["weight_version"] == "4"

@@ -19,6 +19,8 @@ from megapkl.rollout.sglang.protocol import ROUTES, error_message
 class ServerUnreachable(ConnectionError):
     """Connection refused / reset / timed out: the server may be dead or hung."""
 
+    url: str = ""
+
 
 class ServerError(RuntimeError):
     """The server answered with an HTTP error (4xx: the request is wrong; 5xx: the server is)."""
@@ -83,7 +85,9 @@ def request(url: str, route: str, body: Optional[dict] = None, *, timeout: float
         raw = resp.read()
         status = resp.status
     except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout, cut
-        raise ServerUnreachable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+        err = ServerUnreachable(f"{url}{path}: {type(exc).__name__}: {exc}")
+        err.url = url
+        raise err from None
     finally:
         if connections is not None:
             connections.remove(url, conn)

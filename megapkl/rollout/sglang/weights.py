@@ -225,7 +225,10 @@ class WeightSync:
                       lambda t: {"new_version": str(version), "abort_all_requests": False})
         except (http.ServerError, http.ServerUnreachable) as exc:
             self._group = None  # a failed broadcast leaves the group unusable
-            raise WeightUpdateError(f"weight sync to version {version} failed: {exc}") from exc
+            err = WeightUpdateError(f"weight sync to version {version} failed: {exc}")
+            err.unreachable = getattr(exc, "url", None) if isinstance(
+                exc, http.ServerUnreachable) else None  # a dead server, not a bad weight
+            raise err from exc
         finally:
             for t in paused if session else ():  # a failed sync must not leave a session open
                 try:
