@@ -101,6 +101,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The embedded engine behind SGLang's HTTP API (its own options: `megapkl serve --help`)."""
+    from megapkl.rollout.serve import main as serve_main
+
+    return serve_main(args.serve_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megapkl", description="Off-policy RL post-training "
                                      "of LLMs on megatron-core (Proximal KL, GRPO, SIS, TETPO, ...).")
@@ -141,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     from megapkl.train.diagnose import add_subcommand as add_diagnose  # diagnose ...
 
     add_diagnose(sub)
+
+    # Its options are parsed by megapkl.rollout.serve (prefix "+" passes every "--x" through), so
+    # building this parser never imports torch.
+    serve = sub.add_parser("serve", add_help=False, prefix_chars="+", help="the embedded engine "
+                           "behind SGLang's HTTP API (not SGLang; docs/serve.md)")
+    serve.add_argument("serve_args", nargs="*")
+    serve.set_defaults(func=cmd_serve)
+
     from megapkl.launch.cli import add_subcommands  # submit, sweep, status, cancel, logs
 
     add_subcommands(sub)

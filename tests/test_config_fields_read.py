@@ -19,7 +19,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megapkl"
 
 # Fields being wired up on other branches (each entry says by whom); remove an entry when it lands.
 PENDING = {
-    "rollout.sglang": "the SGLang engine (not built yet: `rollout.engine: embedded` is the engine today)",
     # Not a pending wiring: free text for people, kept in the run's resolved config.yaml.
     "description": "documentation only",
 }

@@ -177,11 +177,47 @@ class SGLangConfig:
     mem_fraction_static: float = field(default=0.8, metadata=rng(0.0, 1.0, lo_open=True))
     base_port: int = field(default=30000, metadata=rng(1024, 65535))
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the server launcher
+    # Servers someone else started: their base URLs (and optionally their router); nothing is
+    # launched then. Empty: megapkl launches num_engines servers (+ sglang-router if use_router).
+    urls: list[str] = field(default_factory=list)
+    router_url: Optional[str] = None
+    use_router: bool = True
+    host: str = "127.0.0.1"  # address launched servers bind to (never beyond loopback unless set)
+    # Testing / CPU option: the server command instead of `python -m sglang.launch_server ...`,
+    # e.g. [megapkl, serve, --model, "{model_path}", --port, "{port}"] (placeholders: model_path,
+    # host, port, tp, ep, python). router_command replaces `python -m sglang_router.launch_router`.
+    server_command: list[str] = field(default_factory=list)
+    router_command: list[str] = field(default_factory=list)
+    context_length: Optional[int] = field(default=None, metadata=rng(1))
+    # Weight sync trainer -> servers: tensor (same host), distributed (torch.distributed
+    # broadcast: NCCL on GPUs, gloo on CPU), disk (safetensors export in the run directory).
+    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    bucket_mb: float = field(default=512.0, metadata=rng(0.0, lo_open=True))
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
+    sync_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))
+    # Requests and fault tolerance.
+    max_concurrency: int = field(default=256, metadata=rng(1))
+    request_timeout_s: float = field(default=3600.0, metadata=rng(0.0, lo_open=True))
+    max_retries: int = field(default=3, metadata=rng(0))
+    health_first_wait_s: float = field(default=0.0, metadata=rng(0.0))
+    health_interval_s: float = field(default=10.0, metadata=rng(0.0, lo_open=True))
+    health_timeout_s: float = field(default=30.0, metadata=rng(0.0, lo_open=True))
+    health_max_failures: int = field(default=2, metadata=rng(1))
+    startup_timeout_s: float = field(default=900.0, metadata=rng(0.0, lo_open=True))
+    no_engine_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))
+    max_restarts: int = field(default=3, metadata=rng(0))
 
     def check(self, err) -> None:
         if self.tp % self.ep:
             err(f"SGLang places expert parallelism inside the tensor-parallel group: sglang.ep "
                 f"({self.ep}) must divide sglang.tp ({self.tp})", "ep", "tp")
+        for i, u in enumerate(self.urls + ([self.router_url] if self.router_url else [])):
+            if not u.startswith(("http://", "https://")):
+                err(f"'{u}' is not an http(s) URL", "router_url" if u == self.router_url
+                    else f"urls[{i}]")
+        if self.router_url and not self.urls:
+            err("router_url needs the workers' urls too (weights go to every worker directly)",
+                "router_url", "urls")
 
     @property
     def gpus(self) -> int:

@@ -32,14 +32,14 @@ def eval_tokenizer(cfg) -> Any:
 
 
 def build_engine(cfg, spec, tokenizer):
-    """The run's rollout engine, empty (weights come through update_weights)."""
-    if cfg.rollout.engine != "embedded":
-        raise ValueError(f"rollout.engine: {cfg.rollout.engine} is not available in this build; "
-                         "use rollout.engine: embedded")
+    """The run's rollout engine (rollout.engine), empty: weights come through update_weights."""
+    from megapkl.models.provider import engine_placement
     from megapkl.models.spec import hf_config_dict
-    from megapkl.rollout.embedded import EmbeddedEngine
+    from megapkl.rollout.factory import build_engine as build
 
-    return EmbeddedEngine(hf_config_dict(spec, dtype="float32"), tokenizer=tokenizer, seed=cfg.seed)
+    device, dtype = engine_placement(cfg.model.dtype)
+    return build(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]), tokenizer,
+                 device=device, dtype=dtype)
 
 
 class Evaluator:

@@ -58,9 +58,6 @@ class RolloutStage:
     def __init__(self, cfg, spec, *, dp_rank: int, dp_size: int, leader: bool,
                  replica_group: Any, dp_group: Any) -> None:
         r = cfg.rollout
-        if r.engine != "embedded":
-            raise RolloutError("rollout.engine: sglang is not available in this build; use "
-                               "rollout.engine: embedded")
         if r.prompts_per_batch % (dp_size * r.minibatches_per_batch):
             raise RolloutError(
                 f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
@@ -88,12 +85,11 @@ class RolloutStage:
         if leader:
             from megapkl.models.provider import engine_placement
             from megapkl.models.spec import hf_config_dict
-            from megapkl.rollout.embedded import EmbeddedEngine
+            from megapkl.rollout.factory import build_engine
 
             device, dtype = engine_placement(cfg.model.dtype)
-            self.engine = EmbeddedEngine(hf_config_dict(spec, dtype=str(dtype).split(".")[-1]),
-                                         tokenizer=self.tokenizer, seed=cfg.seed, device=device,
-                                         dtype=dtype, fp8=r.fp8, kv_cache_dtype=r.kv_cache_dtype)
+            self.engine = build_engine(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]),
+                                       self.tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ weights
 

@@ -1,0 +1,603 @@
+"""`megapkl serve`: the embedded torch engine behind SGLang's native HTTP API (it is not SGLang).
+
+    megapkl serve --model-config tiny-qwen3 --port 30000
+    megapkl serve --hf-checkpoint DIR --port 30000 --enable-return-routed-experts
+
+Routes, payloads, response shapes and error bodies follow SGLang 0.5.x (`docs/serve.md` lists
+them); `serve_protocol` declares the request fields this server reads and parses/encodes the
+wire format, `serve_state` holds the engine, pause state and weight paths; this module has the
+routes, the HTTP layer and the CLI.
+The HTTP layer is the standard library's ThreadingHTTPServer: one thread per connection, a
+semaphore bounding the requests in flight, generation serialized through the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional
+
+import torch
+
+from megapkl.rollout.engine import SamplingParams
+from megapkl.rollout.sample import PromptItem, Sample
+from megapkl.rollout.serve_protocol import (Item, _contract, _lp_entry, _Reply, _require, _spans,
+                                            encode_routed_experts, expand_layers, finish_reason,
+                                            parse_generate, parse_sampling)
+from megapkl.rollout.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
+                                         _Interrupted)
+
+log = logging.getLogger("megapkl.serve")
+
+# ---------------------------------------------------------------- the server
+
+
+class SGLangCompatServer:
+    """Routes of SGLang's native HTTP API over a `ServeState`."""
+
+    def __init__(self, state: ServeState, *, tokenizer: Any = None, max_running: int = 64,
+                 host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
+                 allow_tensor_updates: bool = True):
+        self.state, self.tokenizer = state, tokenizer
+        self.allow_tensor_updates = allow_tensor_updates
+        self.host, self.port, self.tp_size = host, port, tp_size
+        self._slots = threading.BoundedSemaphore(max_running)
+        self._jobs: set[Job] = set()
+        self._jobs_lock = threading.Lock()
+        self._start = time.time()
+        self.httpd: Optional[ThreadingHTTPServer] = None
+        cfg = state.engine.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.moe_layers = _moe_layers(state.engine)
+        self.post: dict[str, Callable[[dict], Any]] = {
+            "/generate": self.generate, "/update_weights_from_tensor": self.update_from_tensor,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/init_weights_update_group": self.init_group,
+            "/destroy_weights_update_group": self.destroy_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
+            "/update_weight_version": self.update_version, "/pause_generation": self.pause,
+            "/continue_generation": self.resume, "/abort_request": self.abort,
+            "/flush_cache": self.flush_cache, "/release_memory_occupation": self.release,
+            "/resume_memory_occupation": self.resume_memory,
+        }
+        self.get: dict[str, Callable[[], Any]] = {
+            "/health": self.health, "/health_generate": self.health_generate,
+            "/model_info": self.model_info, "/get_model_info": self.model_info,
+            "/server_info": self.server_info, "/get_server_info": self.server_info,
+            "/flush_cache": lambda: self.flush_cache({}),
+            "/release_memory_occupation": lambda: self.release({}),
+            "/resume_memory_occupation": lambda: self.resume_memory({}),
+        }
+
+    # ------------------------------------------------------------ generate
+
+    def generate(self, body: dict) -> Any:
+        items, batched = parse_generate(body, self.tokenizer)
+        with self._slots:
+            outputs = self._run_items(items)
+        return outputs if batched or len(outputs) > 1 else outputs[0]
+
+    def _run_items(self, items: list[Item]) -> list[dict]:
+        engine = self.state.engine
+        groups: dict[str, list[Item]] = {}
+        for item in items:
+            self._validate_item(item)
+            key = json.dumps([item.sampling, item.top_logprobs_num, item.routed], sort_keys=True)
+            groups.setdefault(key, []).append(item)
+        for group in groups.values():
+            sampling, n = parse_sampling(group[0].sampling, engine.config.vocab_size,
+                                         engine.eos_token_ids)
+            want_routed = group[0].routed and self.state.enable_routed_experts
+            sampling = dataclasses.replace(sampling, topk_logprobs=group[0].top_logprobs_num,
+                                           return_routed_experts=want_routed)
+            self._check_lengths(group, sampling)
+            job = Job([PromptItem(torch.tensor(i.prompt_ids)) for i in group], n, sampling,
+                      [i.rid for i in group], admitted=self.state.admit_epoch())
+            self._execute(job, group, n)
+        out = []
+        for item in items:
+            out.extend(self._format(item, s, j, len(item.samples))
+                       for j, s in enumerate(item.samples))
+            if item.error is not None:
+                n = parse_sampling(item.sampling, engine.config.vocab_size, ())[1]
+                out.extend(self._aborted(item, j, n) for j in range(n))
+        return out
+
+    def _execute(self, job: Job, group: list[Item], n: int) -> None:
+        with self._jobs_lock:
+            self._jobs.add(job)
+        try:
+            samples = self.state.run(job)
+        except _Interrupted:
+            for item in group:
+                item.error = "Abort in waiting queue" if not job.spans else "Aborted by request"
+            return
+        finally:
+            with self._jobs_lock:
+                self._jobs.discard(job)
+        for k, item in enumerate(group):
+            item.samples = samples[k * n:(k + 1) * n]
+            item.spans, item.retractions = list(job.spans), job.retractions
+
+    def _validate_item(self, item: Item) -> None:
+        if item.top_logprobs_num < 0:
+            raise RequestError(f"top_logprobs_num must be >= 0, got {item.top_logprobs_num}")
+        vocab = self.state.engine.config.vocab_size
+        if item.top_logprobs_num > vocab:
+            raise RequestError(f"top_logprobs_num ({item.top_logprobs_num}) exceeds the "
+                               f"vocabulary ({vocab})")
+        p = len(item.prompt_ids)
+        if item.return_logprob and not -1 <= item.logprob_start_len <= p:
+            raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be in "
+                               f"[-1, {p}] (the prompt has {p} tokens)")
+        if item.routed and not 0 <= item.routed_start <= p:
+            raise RequestError(f"routed_experts_start_len ({item.routed_start}) must be in "
+                               f"[0, {p}] (the prompt has {p} tokens)")
+
+    def _check_lengths(self, group: list[Item], sampling: SamplingParams) -> None:
+        cfg = self.state.engine.config
+        limit = getattr(cfg, "max_position_embeddings", None)
+        for item in group:
+            if any(t < 0 or t >= cfg.vocab_size for t in item.prompt_ids):
+                raise RequestError(f"input_ids: token ids outside the vocabulary "
+                                   f"[0, {cfg.vocab_size})")
+            if limit is not None and len(item.prompt_ids) + sampling.max_new_tokens > limit:
+                raise RequestError(f"The input ({len(item.prompt_ids)} tokens) plus "
+                                   f"max_new_tokens {sampling.max_new_tokens} is longer than the "
+                                   f"model's context length ({limit} tokens).")
+
+    def _format(self, item: Item, s: Sample, j: int, n: int) -> dict:
+        tok = self.tokenizer
+        rid = item.rid if n == 1 else f"{item.rid}_{j}"
+        meta: dict[str, Any] = {
+            "id": rid, "finish_reason": finish_reason(s), "prompt_tokens": s.prompt_len,
+            "completion_tokens": s.response_len, "cached_tokens": 0,
+            "weight_version": item.spans[-1][0],
+            "weight_versions": _spans(item.spans, s.response_len),
+            "num_retractions": item.retractions,
+            "e2e_latency": None,
+        }
+        if item.return_logprob:
+            meta.update(self._logprobs(item, s))
+        if item.routed and s.routed_experts is not None:
+            experts = expand_layers(s.routed_experts, self.moe_layers, self.num_layers)
+            meta["routed_experts"] = encode_routed_experts(experts[item.routed_start:])
+        out = {"output_ids": s.response_ids.tolist(), "meta_info": meta}
+        if tok is not None:
+            out["text"] = tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
+        return out
+
+    def _logprobs(self, item: Item, s: Sample) -> dict:
+        text, tok = item.text_in_logprobs, self.tokenizer
+        ids, lps = s.response_ids.tolist(), s.logp_behav.tolist()
+        meta: dict[str, Any] = {
+            "output_token_logprobs": [_lp_entry(lp, t, text, tok) for lp, t in zip(lps, ids)],
+            "output_token_logprobs_length": len(ids),
+            "input_token_logprobs": [], "input_top_logprobs": [], "output_top_logprobs": [],
+        }
+        if item.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [_lp_entry(v, i, text, tok) for v, i in zip(vals, tids)]
+                for vals, tids in zip(s.topk_logp.tolist(), s.topk_ids.tolist())]
+        if 0 <= item.logprob_start_len < s.prompt_len:
+            meta.update(self._input_logprobs(item, s.temperature))
+        return meta
+
+    def _input_logprobs(self, item: Item, temperature: float) -> dict:
+        """Prompt-token log-probs from position logprob_start_len (the first one has none)."""
+        ids = torch.tensor(item.prompt_ids)[None].to(self.state.engine.device)
+        with self.state._engine_lock, torch.no_grad():
+            logits = self.state.engine.model(input_ids=ids).logits[0].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1).cpu()
+        text, tok, k = item.text_in_logprobs, self.tokenizer, item.top_logprobs_num
+        tokens, tops = [], []
+        for pos in range(item.logprob_start_len, len(item.prompt_ids)):
+            token = item.prompt_ids[pos]
+            if pos == 0:
+                tokens.append(_lp_entry(None, token, text, tok))
+                tops.append(None)
+                continue
+            tokens.append(_lp_entry(float(logp[pos - 1, token]), token, text, tok))
+            if k:
+                vals, tids = torch.topk(logp[pos - 1], k)
+                tops.append([_lp_entry(v, i, text, tok) for v, i in
+                             zip(vals.tolist(), tids.tolist())])
+        return {"input_token_logprobs": tokens, "input_top_logprobs": tops if k else []}
+
+    def _aborted(self, item: Item, j: int, n: int) -> dict:
+        rid = item.rid if n == 1 else f"{item.rid}_{j}"
+        meta = {"id": rid, "finish_reason": {"type": "abort", "message": item.error},
+                "prompt_tokens": len(item.prompt_ids), "completion_tokens": 0,
+                "cached_tokens": 0, "weight_version": self.state.weight_version,
+                "weight_versions": [], "num_retractions": 0}
+        if item.return_logprob:
+            meta.update(output_token_logprobs=[], output_top_logprobs=[],
+                        input_token_logprobs=[], input_top_logprobs=[],
+                        output_token_logprobs_length=0)
+        return {"output_ids": [], "meta_info": meta}
+
+    # ------------------------------------------------------------ weights
+
+    def _after_update(self, body: dict, route: str) -> dict:
+        """SGLang's post-load steps: new version, then the cache flush that fails while requests
+        are still running (the weights stay loaded)."""
+        self.state.set_version(body.get("weight_version"))
+        if body.get("flush_cache", True) and self._has_requests():
+            raise _Reply(400, {"success": False, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still "
+                "running or queued. Retract or finish them, then call /flush_cache.")})
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def _has_requests(self) -> bool:
+        if self.state.busy():
+            return True
+        with self._jobs_lock:
+            return bool(self._jobs) and self.state.paused is None
+
+    def _abort_first(self, body: dict) -> None:
+        if body.get("abort_all_requests"):
+            self.state.abort(abort_all=True)
+
+    def update_from_tensor(self, body: dict) -> dict:
+        if not self.allow_tensor_updates:
+            raise RequestError("update_weights_from_tensor is disabled: the server listens on "
+                               f"{self.host}, not loopback (see --allow-remote-weight-updates)")
+        _require(body, "serialized_named_tensors")
+        self._abort_first(body)
+        self.state.update_from_tensor(body["serialized_named_tensors"], body.get("load_format"))
+        return self._after_update(body, "tensor")
+
+    def update_from_disk(self, body: dict) -> dict:
+        _require(body, "model_path")
+        self._abort_first(body)
+        try:
+            self.state.update_from_disk(str(body["model_path"]))
+        except RequestError as exc:
+            raise _Reply(400, {"success": False, "message": str(exc), "num_paused_requests": 0})
+        out = self._after_update(body, "disk")
+        return {**out, "num_paused_requests": 0}
+
+    def init_group(self, body: dict) -> dict:
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            _require(body, key)
+        try:
+            self.state.init_group(str(body["master_address"]), int(body["master_port"]),
+                                  int(body["rank_offset"]), int(body["world_size"]),
+                                  str(body.get("group_name", "weight_update_group")),
+                                  str(body.get("backend", "nccl")))
+        except RequestError:
+            raise
+        except Exception as exc:
+            raise _Reply(400, {"success": False, "message":
+                               f"Failed to initialize custom process group: {exc}."})
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> dict:
+        self.state.destroy_group(str(body.get("group_name", "weight_update_group")))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_from_distributed(self, body: dict) -> dict:
+        for key in ("names", "dtypes", "shapes"):
+            _require(body, key)
+        self._abort_first(body)
+        self.state.update_from_distributed(body["names"], body["dtypes"], body["shapes"],
+                                           str(body.get("group_name", "weight_update_group")),
+                                           body.get("load_format"))
+        out = self._after_update(body, "distributed")
+        return {**out, "message": "Succeeded to update parameter online."}
+
+    def begin_update(self, body: dict) -> dict:
+        return self._session_reply(*self.state.begin_session())
+
+    def end_update(self, body: dict) -> dict:
+        return self._session_reply(*self.state.end_session())
+
+    @staticmethod
+    def _session_reply(ok: bool, message: str) -> dict:
+        if not ok:
+            raise _Reply(400, {"success": False, "message": message})
+        return {"success": True, "message": message}
+
+    def update_version(self, body: dict) -> dict:
+        _require(body, "new_version")
+        if body.get("abort_all_requests", True):
+            self.state.abort(abort_all=True)
+        self.state.set_version(str(body["new_version"]))
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"]}
+
+    # ------------------------------------------------------------ control
+
+    def pause(self, body: dict) -> dict:
+        self.state.pause(body.get("mode", "abort"))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, body: dict) -> dict:
+        self.state.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def abort(self, body: dict) -> str:
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        self.state.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")), jobs=jobs)
+        return ""
+
+    def flush_cache(self, body: dict) -> Any:
+        if self._has_requests():
+            raise _Reply(400, "Flush cache failed: requests are still running or queued.\n")
+        return ("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n")
+
+    def release(self, body: dict) -> None:
+        # Weights and activations of the embedded engine stay where they are: nothing to hand
+        # back to another process on CPU. Recorded so /server_info tells the truth.
+        self.state.memory_released = True
+        return None
+
+    def resume_memory(self, body: dict) -> None:
+        self.state.memory_released = False
+        return None
+
+    # ------------------------------------------------------------ info / health
+
+    def health(self) -> str:
+        return ""
+
+    def health_generate(self) -> str:
+        """One greedy token through the engine unless a request is running (then the running
+        request proves the engine works, as in SGLang)."""
+        if self.state.paused is not None or self.state.busy():
+            return ""
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
+        job = Job([PromptItem(torch.tensor([0]))], 1, sampling, ["HEALTH_CHECK"],
+                  admitted=self.state.admit_epoch())
+        try:
+            self.state.run(job)
+        except _Interrupted:
+            pass
+        return ""
+
+    def model_info(self) -> dict:
+        cfg = self.state.engine.config
+        return {"model_path": self.state.model_path,
+                "served_model_name": self.state.served_model_name,
+                "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.state.weight_version, "load_format": "auto",
+                "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(cfg, "model_type", None),
+                "architectures": getattr(cfg, "architectures", None)}
+
+    def server_info(self) -> dict:
+        cfg = self.state.engine.config
+        return {"model_path": self.state.model_path,
+                "served_model_name": self.state.served_model_name,
+                "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+                "host": self.host, "port": self.port, "tp_size": self.tp_size, "dp_size": 1,
+                "pp_size": 1, "ep_size": 1,
+                "enable_return_routed_experts": self.state.enable_routed_experts,
+                "skip_tokenizer_init": self.tokenizer is None,
+                "context_length": getattr(cfg, "max_position_embeddings", None),
+                "device": str(self.state.engine.device), "dtype": str(self.state.engine.dtype),
+                "weight_version": self.state.weight_version, "startup_time": self._start,
+                "internal_states": [{"paused": self.state.paused,
+                                     "memory_released": self.state.memory_released}],
+                "version": "megapkl-serve", "frontend": "megapkl"}
+
+    # ------------------------------------------------------------ serving
+
+    def dispatch(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        """(status, body) for one request; every refusal is a 4xx with SGLang's error shapes."""
+        route = path.split("?", 1)[0]
+        try:
+            if method == "GET" and route in self.get:
+                return 200, self.get[route]()
+            if method in ("POST", "PUT") and route in self.post:
+                if route not in ("/flush_cache", "/release_memory_occupation",
+                                 "/resume_memory_occupation") and not isinstance(body, dict):
+                    raise _contract("invalid type: request body, expected a JSON object")
+                return 200, self.post[route](body if isinstance(body, dict) else {})
+            if route in self.get or route in self.post:
+                return 405, {"detail": "Method Not Allowed"}
+            return 404, {"detail": "Not Found"}
+        except _Reply as reply:
+            return reply.status, reply.body
+        except RequestError as exc:
+            return 400, {"error": {"message": str(exc)}}
+
+    def serve_forever(self) -> None:
+        self.httpd = make_http_server(self, self.host, self.port)
+        self.port = self.httpd.server_address[1]
+        log.info("megapkl serve listening on http://%s:%d", self.host, self.port)
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self.httpd.server_close()
+            self.state.close()
+
+
+def _moe_layers(engine: InterruptibleEngine) -> list[int]:
+    """Indices of the layers whose MLP has a router, in the engine's recording order."""
+    out = []
+    for name, _ in engine.model.named_modules():
+        parts = name.split(".")
+        if name.endswith("mlp.gate") and "layers" in parts:
+            out.append(int(parts[parts.index("layers") + 1]))
+    return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "megapkl-serve"
+    protocol_version = "HTTP/1.1"
+    app: SGLangCompatServer
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _handle(self, method: str) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body: Any = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                self._send(400, {"error": f"invalid JSON body: {exc}"})
+                return
+        try:
+            status, out = self.app.dispatch(method, self.path, body)
+        except Exception as exc:  # a bug, not bad input: still answer, and keep serving
+            log.exception("request %s %s failed", method, self.path)
+            status, out = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+        self._send(status, out)
+
+    def _send(self, status: int, out: Any) -> None:
+        if out is None:
+            data, kind = b"null", "application/json"
+        elif isinstance(out, str):
+            data, kind = out.encode(), "text/plain; charset=utf-8"
+        else:
+            data, kind = json.dumps(out).encode(), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+
+def make_http_server(app: SGLangCompatServer, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Handler,), {"app": app})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+# ---------------------------------------------------------------- building and the CLI
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
+    """(state, tokenizer) from the CLI arguments: a model spec with seeded random weights, or a
+    local HF checkpoint with its weights."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    tokenizer = _tokenizer(args.tokenizer or args.hf_checkpoint)
+    if args.hf_checkpoint:
+        from megapkl.rollout.embedded import iter_safetensors
+
+        torch.manual_seed(args.seed)
+        engine = InterruptibleEngine(args.hf_checkpoint, device=args.device, dtype=dtype,
+                                     seed=args.seed, tokenizer=tokenizer)
+        engine.update_weights(iter_safetensors(args.hf_checkpoint), version=0)
+        model_path = args.hf_checkpoint
+    else:
+        from megapkl.models.spec import hf_config_dict, load_spec
+
+        spec = load_spec(args.model_config)
+        torch.manual_seed(args.seed)  # same seed, same random weights on every worker
+        engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype), device=args.device,
+                                     dtype=dtype, seed=args.seed, tokenizer=tokenizer)
+        engine.update_weights(list(engine.model.state_dict().items()), version=0)
+        model_path = args.model_config
+    if args.enable_return_routed_experts and not engine.is_moe:
+        raise SystemExit("megapkl serve: error: --enable-return-routed-experts needs a "
+                         "mixture-of-experts model")
+    state = ServeState(engine, model_path=model_path,
+                       served_model_name=args.served_model_name or model_path,
+                       enable_routed_experts=args.enable_return_routed_experts,
+                       weight_version=args.weight_version)
+    return state, tokenizer
+
+
+def _tokenizer(source: Optional[str]) -> Any:
+    if not source:
+        return None
+    from pathlib import Path
+
+    if not any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megapkl serve", description="The embedded torch engine "
+                                "behind SGLang's native HTTP API (it is not SGLang; see "
+                                "docs/serve.md).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-config", help="model spec name or YAML (configs/models/); random "
+                     "weights from --seed until weights are pushed")
+    src.add_argument("--hf-checkpoint", help="local Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--allow-remote-weight-updates", action="store_true",
+                   help="allow /update_weights_from_tensor (which unpickles request data) on a "
+                   "non-loopback --host")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, if any)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    """`megapkl serve ...` (also `python -m megapkl.rollout.serve ...`)."""
+    return cmd_serve(build_parser().parse_args(argv))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    allow_tensor = is_loopback(args.host) or args.allow_remote_weight_updates
+    if not allow_tensor:
+        log.warning("--host %s is not a loopback address: /update_weights_from_tensor (which "
+                    "unpickles request data) is disabled; --allow-remote-weight-updates enables "
+                    "it", args.host)
+    elif not is_loopback(args.host):
+        log.warning("--host %s with --allow-remote-weight-updates: anyone who can reach this "
+                    "port can make the server unpickle data", args.host)
+    state, tokenizer = build_state(args)
+    app = SGLangCompatServer(state, tokenizer=tokenizer, max_running=args.max_running_requests,
+                             host=args.host, port=args.port, allow_tensor_updates=allow_tensor)
+    try:
+        app.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

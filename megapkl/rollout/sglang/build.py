@@ -1,0 +1,118 @@
+"""An `SGLangEngine` from a run config: connect to `rollout.sglang.urls`, or launch the servers
+(and sglang-router) with the flags of `rollout.sglang` and wait until they are healthy."""
+from __future__ import annotations
+
+import atexit
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+from megapkl.rollout.sglang.client import SGLangEngine
+from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, pick_ports, plan_servers,
+                                           router_command, server_command, wait_healthy)
+from megapkl.rollout.sglang.weights import MiB, SyncSettings, Transform, WeightSync, identity
+
+
+def health_settings(sg: Any) -> HealthSettings:
+    return HealthSettings(first_wait_s=sg.health_first_wait_s, interval_s=sg.health_interval_s,
+                          timeout_s=sg.health_timeout_s, max_failures=sg.health_max_failures,
+                          deadline_s=sg.startup_timeout_s,
+                          no_engine_timeout_s=sg.no_engine_timeout_s, max_restarts=sg.max_restarts)
+
+
+def sync_settings(sg: Any) -> SyncSettings:
+    return SyncSettings(mode=sg.weight_sync, bucket_bytes=int(sg.bucket_mb * MiB),
+                        pause_mode=sg.pause_mode, colocate=sg.colocate and not sg.urls,
+                        timeout_s=sg.sync_timeout_s, group_address=sg.host)
+
+
+def _model_path(cfg: Any, hf_config: dict, work: Path) -> tuple[str, bool]:
+    """(model path for the servers, whether they start from dummy weights): the HF checkpoint when
+    there is one, else a config-only directory (the trainer pushes every weight before use)."""
+    if cfg.model.hf_checkpoint:
+        return str(cfg.model.hf_checkpoint), False
+    path = work / "model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=1))
+    return str(path), True
+
+
+def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
+    def one(p: ServerProcess) -> None:
+        wait_healthy(p, p.url, first_wait_s=health.first_wait_s,
+                     interval_s=min(health.interval_s, 1.0), timeout_s=health.timeout_s,
+                     deadline_s=health.deadline_s, what=f"{what} {p.name}")
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        for f in [pool.submit(one, p) for p in procs]:
+            f.result()
+
+
+def launch_fleet(cfg: Any, hf_config: dict, work: Path) -> Fleet:
+    """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
+    everything started is stopped and LaunchError names the server and its log."""
+    sg, health = cfg.rollout.sglang, health_settings(cfg.rollout.sglang)
+    model_path, dummy = _model_path(cfg, hf_config, work)
+
+    def make_cmd(host: str, port: int) -> list[str]:
+        return server_command(sg, model_path=model_path, host=host, port=port,
+                              fp8=cfg.rollout.fp8, kv_cache_dtype=cfg.rollout.kv_cache_dtype,
+                              routed_experts=cfg.model.routing_replay,
+                              context_length=sg.context_length, dummy_weights=dummy)
+
+    specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host)
+    workers = [Worker(s.url, s.tp, spec=s) for s in specs]
+    fleet = Fleet(workers, health=health)
+    try:
+        for w in workers:
+            w.process = w.spec.process().start()
+        _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
+        if sg.use_router:
+            port = pick_ports(sg.host, sg.base_port + 1000, 1)[0]
+            url = f"http://{sg.host}:{port}"
+            fleet.router = ServerProcess("router", url, router_command(
+                sg, [w.url for w in workers], sg.host, port), work / "logs" / "router.log").start()
+            fleet.router_url = url
+            _wait_all([fleet.router], health, "rollout.sglang: sglang-router")
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet
+
+
+def connect_fleet(sg: Any) -> Fleet:
+    """Servers someone else started: each must answer /health within startup_timeout_s."""
+    health = health_settings(sg)
+    fleet = Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url)
+    named = [(f"rollout.sglang.urls[{i}]", u) for i, u in enumerate(sg.urls)]
+    if sg.router_url:
+        named.append(("rollout.sglang.router_url", sg.router_url))
+
+    def one(key_url: tuple[str, str]) -> None:
+        key, url = key_url
+        try:
+            wait_healthy(None, url, first_wait_s=0.0, interval_s=min(health.interval_s, 1.0),
+                         timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
+        except LaunchError as exc:
+            raise LaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
+    with ThreadPoolExecutor(len(named)) as pool:
+        for f in [pool.submit(one, x) for x in named]:
+            f.result()
+    return fleet
+
+
+def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
+                        transform: Optional[Transform] = None,
+                        run_dir: Optional[Path] = None) -> SGLangEngine:
+    sg = cfg.rollout.sglang
+    hf_config = {**hf_config, "torch_dtype": "float32" if cfg.model.dtype == "fp32" else "bfloat16"}
+    work = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}") / "sglang"
+    fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work)
+    sync = WeightSync(sync_settings(sg), export_dir=work, transform=transform or identity,
+                      hf_config=hf_config)
+    engine = SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
+                          max_concurrency=sg.max_concurrency,
+                          request_timeout_s=sg.request_timeout_s, max_retries=sg.max_retries)
+    atexit.register(engine.close)
+    return engine

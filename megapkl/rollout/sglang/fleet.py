@@ -1,0 +1,257 @@
+"""The servers behind an SGLangEngine: their states, the heartbeat, restarts and re-admission.
+
+A worker is `ready` (gets requests), `dead` (failed its heartbeat or crashed: killed and, when we
+launched it, restarted) or `stale` (answers, but does not hold the current weights: after a
+restart, or when it reports another weight version). Only ready workers get requests; a dead or
+stale worker is re-admitted after it has received the current weights (`resync`), and is taken
+out of / put back into the router's worker list alongside.
+
+The heartbeat calls `/health_generate` (a real one-token generation, so a hung scheduler fails it
+even when the HTTP server still answers) every `interval_s`; `max_failures` misses in a row make
+a worker dead. Any request failure triggers an immediate check of that worker.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import quote
+
+from megapkl.rollout.engine import RolloutEngineError
+from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.launch import LaunchError, ServerProcess, ServerSpec, wait_healthy
+from megapkl.rollout.sglang.protocol import parse_version, ProtocolError
+
+
+class EnginesUnavailable(RolloutEngineError):
+    """No server could serve for longer than rollout.sglang.no_engine_timeout_s."""
+
+
+@dataclass
+class HealthSettings:
+    first_wait_s: float = 0.0
+    interval_s: float = 10.0
+    timeout_s: float = 30.0
+    max_failures: int = 2
+    deadline_s: float = 600.0  # a (re)started server must be healthy within this
+    no_engine_timeout_s: float = 600.0
+    max_restarts: int = 3
+
+
+@dataclass
+class Worker:
+    url: str
+    tp: int = 1
+    spec: Optional[ServerSpec] = None  # set when megapkl launched it (and may restart it)
+    process: Optional[ServerProcess] = None
+    state: str = "stale"
+    failures: int = 0
+    restarts: int = 0
+    last_error: str = ""
+
+    @property
+    def log_path(self) -> Optional[Path]:
+        return self.spec.log_path if self.spec is not None else None
+
+    def describe(self) -> str:
+        log = f", log {self.log_path}" if self.log_path else ""
+        err = f": {self.last_error}" if self.last_error else ""
+        return f"{self.url} ({self.state}{log}){err}"
+
+
+@dataclass
+class Fleet:
+    workers: list[Worker]
+    health: HealthSettings = field(default_factory=HealthSettings)
+    router_url: Optional[str] = None
+    router: Optional[ServerProcess] = None
+    connections: http.Connections = field(default_factory=http.Connections)
+
+    def __post_init__(self) -> None:
+        self.lock = threading.RLock()  # held by syncs, re-admissions and state changes
+        self.version: Optional[int] = None
+        self.resync: Optional[Callable[[list[Worker]], None]] = None  # set by the engine
+        self._rr = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.events: list[tuple[float, str, str]] = []  # (time, url, what) for logs and tests
+
+    # ------------------------------------------------------------------ states
+    def ready(self) -> list[Worker]:
+        return [w for w in self.workers if w.state == "ready"]
+
+    def _event(self, w: Worker, what: str) -> None:
+        self.events.append((time.time(), w.url, what))
+
+    def by_url(self, url: str) -> Optional[Worker]:
+        return next((w for w in self.workers if w.url == url), None)
+
+    def admit(self, workers: list[Worker]) -> None:
+        """Mark freshly synced workers ready and put them (back) behind the router."""
+        with self.lock:
+            for w in workers:
+                w.state, w.failures, w.last_error = "ready", 0, ""
+                self._router_call("add_worker", w)
+                self._event(w, "ready")
+
+    def retire(self, w: Worker, state: str, reason: str) -> None:
+        """Stop giving `w` requests: out of the router, its open requests cut."""
+        with self.lock:
+            if w.state == state:
+                return
+            w.state, w.last_error = state, reason
+            self._event(w, f"{state}: {reason}")
+            self._router_call("remove_worker", w)
+        self.connections.cut(w.url)
+
+    def _router_call(self, op: str, w: Worker) -> None:
+        """sglang-router's worker API: POST /workers {url}; DELETE /workers/{id} (id from GET)."""
+        if self.router_url is None:
+            return
+        t = self.health.timeout_s
+        try:
+            if op == "add_worker":
+                http.request(self.router_url, "/workers", {"url": w.url}, method="POST", timeout=t)
+                return
+            listing = http.request(self.router_url, "/workers", method="GET", timeout=t)
+            for entry in (listing or {}).get("workers", []):
+                if entry.get("url") == w.url:
+                    wid = entry.get("id") or entry.get("worker_id") or w.url
+                    http.request(self.router_url, f"/workers/{quote(str(wid), safe='')}",
+                                 method="DELETE", timeout=t)
+        except (http.ServerError, http.ServerUnreachable) as exc:
+            self._event(w, f"router {op} failed: {exc}")
+
+    # ------------------------------------------------------------------ request targets
+    def pick(self) -> str:
+        """A base URL for the next /generate (the router's, or a ready worker round robin);
+        waits up to no_engine_timeout_s for one, then EnginesUnavailable."""
+        t0 = time.monotonic()
+        while True:
+            ready = self.ready()
+            if ready:
+                if self.router_url is not None:
+                    return self.router_url
+                self._rr += 1
+                return ready[self._rr % len(ready)].url
+            if time.monotonic() - t0 > self.health.no_engine_timeout_s:
+                raise self.unavailable()
+            time.sleep(min(0.2, self.health.interval_s))
+
+    def unavailable(self) -> EnginesUnavailable:
+        lines = "\n  ".join(w.describe() for w in self.workers)
+        return EnginesUnavailable(
+            f"no SGLang engine could serve for {self.health.no_engine_timeout_s:.0f} s "
+            f"(rollout.sglang.no_engine_timeout_s); engines:\n  {lines}")
+
+    def report_failure(self, url: str, exc: BaseException) -> None:
+        """A request to `url` failed: check that worker now (the router: all of them)."""
+        targets = self.workers if url == self.router_url else [self.by_url(url)]
+        for w in targets:
+            if w is not None and w.state == "ready" and not self._alive(w):
+                w.failures = self.health.max_failures
+                self._declare_dead(w, f"request failed: {exc}")
+
+    def report_stale(self, url: str, version: int) -> None:
+        w = self.by_url(url)
+        if w is not None:
+            self.retire(w, "stale", f"answered with weight version {version}, "
+                                    f"current is {self.version}")
+
+    # ------------------------------------------------------------------ heartbeat
+    def _alive(self, w: Worker) -> bool:
+        if w.process is not None and not w.process.alive():
+            return False
+        try:
+            http.request(w.url, "health_generate", timeout=self.health.timeout_s,
+                         connections=self.connections)
+            return True
+        except (http.ServerUnreachable, http.ServerError):
+            return False
+
+    def server_version(self, w: Worker) -> Optional[int]:
+        try:
+            info = http.request(w.url, "model_info", timeout=self.health.timeout_s)
+            return parse_version(info) if isinstance(info, dict) else None
+        except (http.ServerUnreachable, http.ServerError, ProtocolError):
+            return None
+
+    def beat(self) -> None:
+        """One heartbeat over every worker (the loop calls it every interval_s)."""
+        for w in list(self.workers):
+            if w.state == "ready":
+                if self._alive(w):
+                    w.failures = 0
+                    v = self.server_version(w)
+                    if self.version is not None and v is not None and v != self.version:
+                        self.retire(w, "stale", f"reports weight version {v}, current is "
+                                                f"{self.version} (restarted?)")
+                else:
+                    w.failures += 1
+                    if w.failures >= self.health.max_failures:
+                        self._declare_dead(w, f"{w.failures} failed /health_generate checks")
+            if w.state in ("dead", "stale"):
+                self._recover(w)
+
+    def _declare_dead(self, w: Worker, reason: str) -> None:
+        self.retire(w, "dead", reason)
+        if w.process is not None:
+            w.process.stop(grace_s=1.0)  # kill it even when hung (SIGKILL works on SIGSTOP)
+
+    def _recover(self, w: Worker) -> None:
+        """Restart a dead worker we launched; re-admit a worker once it holds the current weights."""
+        if w.state == "dead":
+            if w.spec is not None:
+                if w.restarts >= self.health.max_restarts:
+                    return
+                w.restarts += 1
+                self._event(w, f"restart {w.restarts}")
+                w.process = w.spec.process().start()
+                try:
+                    wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,
+                                 interval_s=min(self.health.interval_s, 1.0),
+                                 timeout_s=self.health.timeout_s,
+                                 deadline_s=self.health.deadline_s, what=f"engine{w.spec.index}")
+                except LaunchError as exc:
+                    w.last_error = str(exc).splitlines()[0]
+                    w.process.stop(grace_s=1.0)
+                    return
+            elif not self._alive(w):
+                return
+            w.state = "stale"
+            self._event(w, "stale: back, waiting for weights")
+        if w.state == "stale" and self._alive(w):
+            with self.lock:
+                if self.version is None or self.resync is None or w.state == "ready":
+                    return  # (an engine-wide push may have admitted it meanwhile)
+                try:
+                    self.resync([w])
+                except Exception as exc:  # noqa: BLE001 - stays stale, retried next beat
+                    w.last_error = f"resync failed: {exc}"
+                    self._event(w, w.last_error)
+                    return
+                self.admit([w])
+
+    def start_heartbeat(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="sglang-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.health.interval_s):
+            try:
+                self.beat()
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive one bad beat
+                self.events.append((time.time(), "-", f"heartbeat error: {exc}"))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.health.timeout_s + 5)
+        for w in self.workers:
+            if w.process is not None:
+                w.process.stop()
+        if self.router is not None:
+            self.router.stop()

@@ -1,0 +1,207 @@
+"""Starting, watching and stopping rollout server processes and the sglang-router.
+
+`server_command` builds `python -m sglang.launch_server` with the flags of `rollout.sglang`; when
+`rollout.sglang.server_command` is set, that argument list is used instead, with `{model_path}`,
+`{host}`, `{port}`, `{tp}`, `{ep}` and `{python}` substituted (how the tests and CPU boxes run
+`megapkl serve` through the same code path). Every process writes its log into the run directory,
+runs in its own session (so a kill takes its children too) and dies with the trainer (Linux
+parent-death signal). Inside a Slurm allocation, engines spread over the job's nodes through
+`srun --overlap`; elsewhere everything runs on this host.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from megapkl.rollout.sglang import http
+
+
+class LaunchError(RuntimeError):
+    """A server or the router did not come up; the message names it and its log."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: atexit/close still stop the servers
+        pass
+
+
+@dataclass
+class ServerProcess:
+    """One launched process (a server or the router) and where its log goes."""
+
+    name: str
+    url: str
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: Optional[subprocess.Popen] = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n==== megapkl: starting {' '.join(self.cmd)}\n".encode())
+        log.flush()
+        self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
+                                      preexec_fn=_die_with_parent)
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s` (also kills a stopped process)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.popen.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(self.popen.pid, signal.SIGCONT)  # a SIGSTOPped server must see it
+            except ProcessLookupError:
+                break
+            try:
+                self.popen.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = ()) -> list[int]:
+    ports, p = [], start
+    while len(ports) < count:
+        if p > 65535:
+            raise LaunchError(f"rollout.sglang.base_port: no {count} free ports from {start}")
+        if p not in taken and port_free(host, p):
+            ports.append(p)
+        p += 1
+    return ports
+
+
+def slurm_nodes() -> list[str]:
+    """Host names of the current Slurm allocation ([] outside one)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist or shutil.which("scontrol") is None:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                         text=True, check=False)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def server_command(sg: Any, *, model_path: str, host: str, port: int, fp8: bool,
+                   kv_cache_dtype: str, routed_experts: bool, context_length: Optional[int],
+                   dummy_weights: bool) -> list[str]:
+    """The argument list of one server (see the module docstring for `server_command`)."""
+    subst = {"python": sys.executable, "model_path": model_path, "host": host, "port": str(port),
+             "tp": str(sg.tp), "ep": str(sg.ep)}
+    if sg.server_command:
+        return [a.format(**subst) for a in sg.server_command] + list(sg.extra_args)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--host", host, "--port", str(port), "--tp-size", str(sg.tp), "--ep-size", str(sg.ep),
+           "--mem-fraction-static", str(sg.mem_fraction_static), "--skip-tokenizer-init"]
+    if dummy_weights:
+        cmd += ["--load-format", "dummy"]  # the trainer pushes the real weights before any use
+    if fp8:
+        cmd += ["--quantization", "fp8"]
+    if kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    if routed_experts:
+        cmd += ["--enable-return-routed-experts"]
+    if context_length:
+        cmd += ["--context-length", str(context_length)]
+    return cmd + list(sg.extra_args)
+
+
+def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int) -> list[str]:
+    cmd = list(sg.router_command) if sg.router_command else [
+        sys.executable, "-m", "sglang_router.launch_router"]
+    metrics = pick_ports(host, port + 1, 1)[0]  # its Prometheus listener must not collide
+    return cmd + ["--worker-urls", *worker_urls, "--policy", sg.router_policy,
+                  "--host", host, "--port", str(port), "--prometheus-host", host,
+                  "--prometheus-port", str(metrics)]
+
+
+def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float,
+                 interval_s: float, timeout_s: float, deadline_s: float, route: str = "health",
+                 what: str = "server") -> None:
+    """Poll `route` until it answers 200; LaunchError (naming the log) when the process exits or
+    `deadline_s` passes. `first_wait_s` spares servers that compile before they listen."""
+    t0 = time.monotonic()
+    time.sleep(first_wait_s)
+    while True:
+        if proc is not None and not proc.alive():
+            raise LaunchError(f"{what} {url} exited with code {proc.popen.returncode} before it "
+                              f"became healthy; log: {proc.log_path}\n{proc.log_tail()}")
+        try:
+            http.request(url, route, timeout=timeout_s)
+            return
+        except (http.ServerUnreachable, http.ServerError):
+            pass
+        if time.monotonic() - t0 > deadline_s:
+            where = f"; log: {proc.log_path}\n{proc.log_tail()}" if proc is not None else ""
+            raise LaunchError(f"{what} {url} not healthy after {deadline_s:.0f} s "
+                              f"(rollout.sglang.health_deadline_s){where}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class ServerSpec:
+    """How to (re)start engine `index`: its command, URL, log and node."""
+
+    index: int
+    url: str
+    cmd: list[str]
+    log_path: Path
+    tp: int = 1
+
+    def process(self) -> ServerProcess:
+        return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path)
+
+
+def plan_servers(sg: Any, *, log_dir: Path, make_cmd: Callable[[str, int], list[str]],
+                 host: str) -> list[ServerSpec]:
+    """One spec per engine: ports from base_port, spread over the Slurm nodes when there are any."""
+    nodes = slurm_nodes()
+    specs = []
+    if len(nodes) > 1:
+        for i in range(sg.num_engines):
+            node = nodes[i % len(nodes)]
+            port = sg.base_port + i
+            cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                   *make_cmd(node, port)]
+            specs.append(ServerSpec(i, f"http://{node}:{port}", cmd,
+                                    log_dir / f"engine{i}.log", sg.tp))
+        return specs
+    for i, port in enumerate(pick_ports(host, sg.base_port, sg.num_engines)):
+        specs.append(ServerSpec(i, f"http://{host}:{port}", make_cmd(host, port),
+                                log_dir / f"engine{i}.log", sg.tp))
+    return specs

@@ -1,0 +1,365 @@
+"""Weight sync trainer -> SGLang servers, in the three ways SGLang offers.
+
+One sync, for every target server (`WeightSync.push`):
+
+    pause_generation {mode} -> flush_cache -> [resume_memory_occupation] -> begin_weight_update
+      -> buckets (tensor | distributed | disk) -> end_weight_update
+      -> update_weight_version {new_version} -> continue_generation
+
+Buckets are consecutive runs of the exported (HF name, tensor) stream of at most `bucket_bytes`
+(a larger tensor travels alone). Each bucket passes through `transform(named_tensors) ->
+named_tensors` first: the seam for FP8 re-quantization (identity by default).
+
+- tensor: `/update_weights_from_tensor` with SGLang's serialized named tensors (a base64 string of
+  a torch multiprocessing pickle, one copy per engine TP rank). CPU tensors travel as shared-memory
+  file names, so this is for servers on the same host only (colocated).
+- distributed: `/init_weights_update_group` once per fleet membership, then per bucket
+  `/update_weights_from_distributed` {names, dtypes, shapes} while this process broadcasts each
+  tensor from rank 0 of that group (NCCL when the tensors are on a GPU, gloo otherwise).
+- disk: the bucket files of a safetensors checkpoint under the run directory, then
+  `/update_weights_from_disk` {model_path} on every server.
+"""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megapkl.rollout.engine import WeightUpdateError
+from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
+
+NamedTensors = list[tuple[str, Tensor]]
+Transform = Callable[[NamedTensors], NamedTensors]
+SYNC_MODES = ("tensor", "distributed", "disk")
+MiB = 1 << 20
+
+
+def identity(named_tensors: NamedTensors) -> NamedTensors:
+    return named_tensors
+
+
+def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
+            ) -> Iterator[NamedTensors]:
+    """Consecutive groups of at most `bucket_bytes` (a tensor larger than that is a group alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
+    group: NamedTensors = []
+    size = 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += nbytes
+    if group:
+        yield group
+
+
+def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
+    """SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` format: base64 of a
+    torch ForkingPickler pickle. CPU storages move to shared memory and travel by file name
+    (the 'file_system' strategy): unlike passed descriptors this works between unrelated processes.
+    Returns the payload and the shared copies, which must stay alive until the server has read them
+    (a segment is unlinked when its last holder lets go)."""
+    import base64
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        shared = [(n, _fresh_shared(t.detach())) for n, t in named_tensors]
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(shared)
+    finally:
+        tmp.set_sharing_strategy(previous)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
+
+
+def _fresh_shared(t: Tensor) -> Tensor:
+    """A CPU tensor's bytes in a new shared-memory segment (one copy). Never reuse a segment of an
+    earlier push: its name is unlinked once the server that opened it is gone, so a restarted
+    server could not open it again. GPU tensors travel by CUDA IPC handle, uncopied."""
+    if t.device.type != "cpu":
+        return t
+    try:
+        storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+        out = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape)
+    except (AttributeError, RuntimeError):  # older torch: copy, then move into shared memory
+        return t.clone().share_memory_()
+    return out.copy_(t)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def open_update_group(backend: str, address: str, port: int, world_size: int, rank: int,
+                      group_name: str, timeout_s: float, local_name: Optional[str] = None):
+    """A process group outside the default world (what SGLang's servers open on their side of
+    `/init_weights_update_group`): TCP rendezvous at address:port, store prefixed by group name.
+    `local_name` registers it under another name in this process (two members in one process)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                        group_name=local_name or group_name,
+                                        timeout=timeout)
+    pg = pg[0] if isinstance(pg, tuple) else pg
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+@dataclass
+class Target:
+    """A server to sync: its URL and how many TP ranks it runs (one payload / group rank each)."""
+
+    url: str
+    tp: int = 1
+
+
+@dataclass
+class SyncSettings:
+    mode: str = "tensor"
+    bucket_bytes: int = 512 * MiB
+    pause_mode: str = "retract"
+    colocate: bool = False
+    timeout_s: float = 600.0
+    flush_retries: int = 20
+    group_address: str = "127.0.0.1"
+    group_backend: Optional[str] = None  # None: nccl for GPU tensors, gloo for CPU
+
+    def __post_init__(self):
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"rollout.sglang.weight_sync must be one of {SYNC_MODES}, got {self.mode!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"rollout.sglang.pause_mode must be one of {PAUSE_MODES}, "
+                             f"got {self.pause_mode!r}")
+
+
+class WeightSync:
+    """Pushes exported weights to a set of servers; `trace` records every (url, route) called,
+    in order, for tests and logs."""
+
+    def __init__(self, settings: SyncSettings, export_dir: Optional[Path] = None,
+                 transform: Transform = identity, hf_config: Optional[dict] = None):
+        if settings.mode == "disk" and export_dir is None:
+            raise ValueError("rollout.sglang.weight_sync: disk needs a run directory for the export")
+        self.s = settings
+        self.export_dir = Path(export_dir) if export_dir is not None else None
+        self.transform = transform
+        self.hf_config = hf_config
+        self.trace: list[tuple[str, str]] = []
+        self._group: Optional[tuple[tuple, Any, str]] = None  # (membership, pg, name)
+        self._groups_made = 0
+        self._lock = threading.Lock()
+        self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
+        with self._lock:
+            self.trace.append((url, route))
+        return http.request(url, route, check_fields(route, body or {}), timeout=self.s.timeout_s)
+
+    def _all(self, targets: Sequence[Target], route: str, body_of: Callable[[Target], dict]) -> list:
+        if len(targets) == 1:
+            return [self._call(targets[0].url, route, body_of(targets[0]))]
+        with ThreadPoolExecutor(len(targets)) as pool:
+            futures = [pool.submit(self._call, t.url, route, body_of(t)) for t in targets]
+            return [f.result() for f in futures]
+
+    def _flush(self, url: str) -> None:
+        """flush_cache is refused while requests still run (retract/in_place pause): retry."""
+        import time
+
+        for attempt in range(self.s.flush_retries):
+            try:
+                self._call(url, "flush_cache")
+                return
+            except http.ServerError:
+                if attempt == self.s.flush_retries - 1:
+                    raise
+                time.sleep(min(0.05 * 2 ** attempt, 1.0))
+
+    # ------------------------------------------------------------------ a sync
+    def push(self, targets: Sequence[Target], named_tensors: Iterable[tuple[str, Tensor]],
+             version: int) -> None:
+        """Every target ends holding `named_tensors` at `version`, or WeightUpdateError is raised
+        (naming the server and route) after generation was let continue again."""
+        if not targets:
+            raise WeightUpdateError("weight sync: no server to update")
+        paused: list[Target] = []
+        session = False
+        try:
+            for t in targets:
+                self._call(t.url, "pause_generation", {"mode": self.s.pause_mode})
+                paused.append(t)
+            for t in targets:
+                self._flush(t.url)
+            self.resume_memory(targets)
+            session = True
+            self._all(targets, "begin_weight_update", lambda t: {})
+            self._send(targets, named_tensors, version)
+            session = False
+            self._all(targets, "end_weight_update", lambda t: {})
+            self._all(targets, "update_weight_version",
+                      lambda t: {"new_version": str(version), "abort_all_requests": False})
+        except (http.ServerError, http.ServerUnreachable) as exc:
+            self._group = None  # a failed broadcast leaves the group unusable
+            err = WeightUpdateError(f"weight sync to version {version} failed: {exc}")
+            err.unreachable = getattr(exc, "url", None) if isinstance(
+                exc, http.ServerUnreachable) else None  # a dead server, not a bad weight
+            raise err from exc
+        finally:
+            for t in paused if session else ():  # a failed sync must not leave a session open
+                try:
+                    self._call(t.url, "end_weight_update")
+                except (http.ServerError, http.ServerUnreachable):
+                    pass
+            for t in paused:
+                try:
+                    self._call(t.url, "continue_generation")
+                except (http.ServerError, http.ServerUnreachable):
+                    pass  # a dead server is the fleet's business; the others must go on
+
+    def release_memory(self, targets: Sequence[Target]) -> None:
+        """Colocated: hand the servers' GPU memory (weights, KV cache) to the trainer."""
+        todo = [t for t in targets if t.url not in self.released]
+        if self.s.colocate and todo:
+            self._all(todo, "release_memory_occupation", lambda t: {})
+            self.released.update(t.url for t in todo)
+
+    def resume_memory(self, targets: Sequence[Target]) -> None:
+        """Colocated: take the memory back before a push or a generation."""
+        todo = [t for t in targets if t.url in self.released]
+        if todo:
+            self._all(todo, "resume_memory_occupation", lambda t: {})
+            self.released.difference_update(t.url for t in todo)
+
+    def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
+        stream = buckets(named_tensors, self.s.bucket_bytes)
+        if self.s.mode == "tensor":
+            for bucket in stream:
+                payload, alive = serialize_named_tensors(self.transform(bucket))
+                self._all(targets, "update_weights_from_tensor",
+                          lambda t: {"serialized_named_tensors": [payload] * t.tp,
+                                     "flush_cache": False})
+                del alive  # the servers have read the bucket: its shared memory may go
+        elif self.s.mode == "distributed":
+            self._send_distributed(targets, stream)
+        else:
+            path = self._export(stream, version)
+            self._all(targets, "update_weights_from_disk",
+                      lambda t: {"model_path": str(path), "flush_cache": False})
+
+    # ------------------------------------------------------------------ distributed
+    def _ensure_group(self, targets: Sequence[Target], device: torch.device):
+        membership = tuple((t.url, t.tp) for t in targets)
+        if self._group is not None and self._group[0] == membership:
+            return self._group[1], self._group[2]
+        self.close_group(targets)
+        backend = self.s.group_backend or ("nccl" if device.type == "cuda" else "gloo")
+        self._groups_made += 1
+        name = f"megapkl-weights-{uuid.uuid4().hex[:12]}"
+        port = free_port(self.s.group_address)
+        world = 1 + sum(t.tp for t in targets)
+        offsets, o = [], 1
+        for t in targets:
+            offsets.append(o)
+            o += t.tp
+        bodies = {t.url: {"master_address": self.s.group_address, "master_port": port,
+                          "rank_offset": off, "world_size": world, "group_name": name,
+                          "backend": backend} for t, off in zip(targets, offsets)}
+        with ThreadPoolExecutor(len(targets)) as pool:  # the servers join while we rendezvous
+            futures = [pool.submit(self._call, t.url, "init_weights_update_group", bodies[t.url])
+                       for t in targets]
+            pg = open_update_group(backend, self.s.group_address, port, world, 0, name,
+                                   self.s.timeout_s)
+            for f in futures:
+                f.result()
+        self._group = (membership, pg, name)
+        return pg, name
+
+    def close_group(self, targets: Sequence[Target]) -> None:
+        """Tell the servers of the current group to leave it (best effort) and drop ours."""
+        if self._group is None:
+            return
+        _, pg, name = self._group
+        self._group = None
+        for t in targets:
+            try:
+                self._call(t.url, "destroy_weights_update_group", {"group_name": name})
+            except (http.ServerError, http.ServerUnreachable):
+                pass
+        try:
+            import torch.distributed as dist
+            dist.destroy_process_group(pg)
+        except Exception:  # noqa: BLE001 - a half-made group has nothing to release
+            pass
+
+    def _send_distributed(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
+        import torch.distributed as dist
+
+        pg = name = None
+        for bucket in stream:
+            bucket = self.transform(bucket)
+            if pg is None:
+                pg, name = self._ensure_group(targets, bucket[0][1].device)
+            body = {"names": [n for n, _ in bucket],
+                    "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": name,
+                    "flush_cache": False}
+            with ThreadPoolExecutor(len(targets)) as pool:
+                futures = [pool.submit(self._call, t.url, "update_weights_from_distributed", body)
+                           for t in targets]
+                for _, t in bucket:
+                    dist.broadcast(t.detach().contiguous(), src=0, group=pg)
+                for f in futures:
+                    f.result()
+
+    # ------------------------------------------------------------------ disk
+    def _export(self, stream: Iterator[NamedTensors], version: int) -> Path:
+        """A safetensors checkpoint `weights/v{version}` (one file per bucket, config.json), the
+        previous export removed once this one is complete."""
+        from safetensors.torch import save_file
+
+        root = self.export_dir / "weights"
+        path = root / f"v{version}"
+        tmp = root / f".v{version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        index: dict[str, str] = {}
+        for i, bucket in enumerate(stream):
+            fname = f"model-{i:05d}.safetensors"
+            tensors = {n: t.detach().to("cpu").contiguous() for n, t in self.transform(bucket)}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            index.update({n: fname for n in tensors})
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+        if self.hf_config is not None:
+            (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        for old in root.glob("v*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+        return path

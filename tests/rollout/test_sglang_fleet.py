@@ -1,0 +1,246 @@
+"""SGLangEngine end to end: two `megapkl serve` workers launched through rollout.sglang's own
+launcher (server_command) behind the real sglang-router; generation, the three weight-sync modes,
+faults (SIGSTOP / SIGKILL mid-batch, a restarted worker with stale weights) and bad input."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
+from megapkl.rollout.sample import PromptItem
+from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.fleet import EnginesUnavailable, Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.launch import LaunchError
+
+pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs a POSIX shell")
+SERVE = ["{python}", "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3",
+         "--host", "{host}", "--port", "{port}"]
+
+
+def _cfg(tmp, extra=()):
+    from megapkl.config.loader import load_config
+
+    return load_config("configs/demo/cpu_demo.yaml", [
+        "rollout.engine=sglang", f"rollout.sglang.server_command={json.dumps(SERVE)}",
+        "rollout.sglang.num_engines=2", f"run_dir={tmp}", "rollout.sglang.health_interval_s=0.5",
+        "rollout.sglang.health_timeout_s=3", "rollout.sglang.startup_timeout_s=240",
+        "rollout.sglang.no_engine_timeout_s=120", "rollout.sglang.base_port=36100",
+        "rollout.sglang.bucket_mb=0.05", *extra])
+
+
+def _hf():
+    from megapkl.models.spec import hf_config_dict, load_spec
+
+    return hf_config_dict(load_spec("tiny-qwen3"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from megapkl.rollout.sglang.build import build_sglang_engine
+
+    if not os.path.isdir("configs/demo"):
+        pytest.skip("run from the repository root")
+    eng = build_sglang_engine(_cfg(tmp_path_factory.mktemp("fleet")), _hf())
+    yield eng
+    eng.close()
+    assert all(not w.process.alive() for w in eng.fleet.workers) and not eng.fleet.router.alive()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from megapkl.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(_hf(), seed=0)
+
+
+def _weights(reference, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=g) * 0.1) for n, p in
+            reference.model.state_dict().items()]
+
+
+def _prompts(k, length=3):
+    return [PromptItem(torch.arange(1 + i, 1 + i + length) % 100 + 3) for i in range(k)]
+
+
+def _recompute(reference, weights, sample):
+    reference.update_weights(weights, version=0)
+    seq = sample.sequence[:-1][None]
+    with torch.no_grad():
+        logits = reference.model(input_ids=seq).logits[0, sample.prompt_len - 1:].float()
+    return torch.log_softmax(logits / sample.temperature, -1)
+
+
+def test_generate_through_router_matches_trainer_recompute(engine, reference):
+    w = _weights(reference, 1)
+    engine.update_weights(w, version=1)
+    s = SamplingParams(max_new_tokens=5, temperature=0.8, topk_logprobs=4, seed=7)
+    out = engine.generate(_prompts(3), n=3, sampling=s)
+    assert len(out) == 9 and [x.uid for x in out] == list(range(out[0].uid, out[0].uid + 9))
+    assert [x.group_id for x in out] == [out[0].group_id + i // 3 for i in range(9)]
+    assert {x.version for x in out} == {1} and all(x.response_len == 5 for x in out)
+    assert len({tuple(x.response_ids.tolist()) for x in out}) > 3  # n draws differ
+    for x in out:
+        logp = _recompute(reference, w, x)
+        assert torch.allclose(x.logp_behav, logp.gather(1, x.response_ids[:, None])[:, 0],
+                              atol=1e-4)
+        assert torch.allclose(x.topk_logp, logp.topk(4, -1).values, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_each_sync_mode_servers_hold_trainer_weights(engine, reference, mode):
+    version = {"tensor": 11, "distributed": 12, "disk": 13}[mode]
+    w = _weights(reference, version)
+    engine.sync.s.mode = mode
+    try:
+        engine.update_weights(w, version=version)
+    except WeightUpdateError:
+        print(engine.sync.trace[-30:], engine.fleet.events)
+        raise
+    finally:
+        engine.sync.s.mode = "tensor"
+    for wk in engine.fleet.workers:
+        assert http.request(wk.url, "model_info", timeout=10)["weight_version"] == str(version)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    reference.update_weights(w, version=version)
+    expect = reference.generate(_prompts(1), n=1, sampling=greedy)[0]
+    for wk in engine.fleet.workers:  # ask each worker directly: both must hold exactly w
+        from megapkl.rollout.sglang.protocol import decode_response, generate_payload
+
+        body = generate_payload(_prompts(1)[0].prompt_ids.tolist(), greedy, 1)
+        d = decode_response(http.request(wk.url, "generate", body, timeout=60), prompt_len=3,
+                            sampling=greedy)
+        assert d.version == version and torch.equal(d.response_ids, expect.response_ids)
+        assert torch.equal(d.logp, expect.logp_behav)  # same floats: same weights, bit for bit
+
+
+def test_trainer_runs_through_router(engine, dist_run, tmp_path):
+    """`rollout.engine: sglang` in the real trainer (megatron-core learner), against the fixture's
+    workers and router given as urls/router_url (the fixture's heartbeat pauses meanwhile)."""
+    from megapkl.config import load_config
+    from megapkl.train.local import _rank_main
+    from megapkl.train.metrics_log import read_metrics
+
+    fleet = engine.fleet
+    fleet._stop.set()  # the trainer's own engine manages the workers meanwhile
+    fleet._thread.join(timeout=60)
+    fleet._stop, fleet._thread = threading.Event(), None
+    urls = json.dumps([w.url for w in engine.fleet.workers])
+    cfg = load_config("configs/demo/cpu_demo.yaml", [
+        "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.every=0",
+        "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4", "parallel.data=1",
+        "parallel.micro_batch_size=4", "train.steps=5", "rollout.refresh_every=2",
+        f"run_dir={tmp_path / 'run'}", "rollout.engine=sglang", f"rollout.sglang.urls={urls}",
+        f"rollout.sglang.router_url={engine.fleet.router_url}",
+        "rollout.sglang.weight_sync=distributed"])
+    try:
+        dist_run(_rank_main, 1, cfg, timeout=300)
+    finally:
+        fleet.start_heartbeat()  # the workers now hold version 4: the fixture resyncs them
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 5 and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0, 1, 0, 1, 0]  # versions as the servers report
+    for w in engine.fleet.workers:
+        assert http.request(w.url, "model_info", timeout=10)["weight_version"] == "4"
+
+
+def _signal_soon(proc, sig, delay):
+    t = threading.Timer(delay, lambda: os.killpg(proc.popen.pid, sig))
+    t.start()
+    return t
+
+
+def test_faults_hung_and_killed_workers_mid_batch(engine, reference):
+    w = _weights(reference, 21)
+    engine.update_weights(w, version=21)
+    s = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    w0, w1 = engine.fleet.workers
+    # A hung worker (SIGSTOP) mid-batch: declared dead by the heartbeat, its requests retried.
+    _signal_soon(w1.process, signal.SIGSTOP, 1.0).join()
+    out = engine.generate(_prompts(6), n=2, sampling=s)
+    assert len(out) == 12 and {x.version for x in out} == {21}
+    assert all(x.response_len == 24 for x in out)
+    # It is killed, restarted with stale (random) weights, resynced, then re-admitted.
+    t0 = time.monotonic()
+    while w1.state != "ready" or w1.restarts < 1:
+        assert time.monotonic() - t0 < 150, "\n".join(map(str, engine.fleet.events))
+        time.sleep(0.5)
+    assert http.request(w1.url, "model_info", timeout=10)["weight_version"] == "21"
+    events = [e for _, url, e in engine.fleet.events if url == w1.url]
+    assert any(e.startswith("dead") for e in events) and "restart 1" in events
+    # A killed worker (SIGKILL) mid-batch: the batch completes on the other one.
+    killer = _signal_soon(w0.process, signal.SIGKILL, 1.0)
+    out = engine.generate(_prompts(6), n=2, sampling=s)
+    killer.join()
+    assert len(out) == 12 and {x.version for x in out} == {21}
+    x = out[0]
+    logp = _recompute(reference, w, x)
+    assert torch.allclose(x.logp_behav, logp.gather(1, x.response_ids[:, None])[:, 0], atol=1e-4)
+
+
+def test_bad_input_names_the_key(engine, reference):
+    w = _weights(reference, 31)
+    engine.update_weights(w, version=31)
+    with pytest.raises(WeightUpdateError, match="model.layers.0.bogus"):
+        engine.update_weights([("model.layers.0.bogus", torch.zeros(3))], version=32)
+    name, t = w[1]
+    with pytest.raises(WeightUpdateError, match="shape"):
+        engine.update_weights([(name, torch.zeros(t.shape[0] + 1, *t.shape[1:]))], version=32)
+    assert engine.version == 31
+    with pytest.raises(ValueError, match="model.routing_replay"):
+        engine.generate(_prompts(1), n=1, sampling=SamplingParams(max_new_tokens=2,
+                                                                 return_routed_experts=True))
+    with pytest.raises(ValueError, match="rollout.topk_logprobs"):
+        engine.generate(_prompts(1), n=1, sampling=SamplingParams(max_new_tokens=2,
+                                                                 topk_logprobs=100000))
+
+
+def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
+    from megapkl.rollout.sglang.build import build_sglang_engine
+
+    live = engine.fleet.workers[1].url
+    fast = ["rollout.sglang.startup_timeout_s=2", "rollout.sglang.health_interval_s=0.2"]
+    cfg = _cfg(tmp_path, [f"rollout.sglang.urls=[\"{live}\"]",
+                          "rollout.sglang.router_url=http://127.0.0.1:9", *fast])
+    with pytest.raises(LaunchError, match=r"rollout.sglang.router_url: http://127.0.0.1:9"):
+        build_sglang_engine(cfg, _hf())
+    cfg = _cfg(tmp_path, ["rollout.sglang.urls=[\"http://127.0.0.1:9\"]", *fast])
+    with pytest.raises(LaunchError, match=r"rollout.sglang.urls\[0\]"):
+        build_sglang_engine(cfg, _hf())
+    never = json.dumps([sys.executable, "-c", "import time; print('compiling'); time.sleep(60)"])
+    cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={never}", "rollout.sglang.num_engines=1",
+                          "rollout.sglang.base_port=36400", *fast])
+    with pytest.raises(LaunchError, match="not healthy after 2 s") as info:
+        build_sglang_engine(cfg, _hf())
+    assert "engine0.log" in str(info.value) and "compiling" in str(info.value)
+    crash = json.dumps([sys.executable, "-c", "raise SystemExit('bad flag --x')"])
+    cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={crash}", "rollout.sglang.num_engines=1",
+                          "rollout.sglang.base_port=36400", *fast])
+    with pytest.raises(LaunchError, match="exited with code 1") as info:
+        build_sglang_engine(cfg, _hf())
+    assert "bad flag --x" in str(info.value)
+
+
+def test_no_engine_for_too_long_names_engines_and_logs(tmp_path):
+    from megapkl.rollout.sglang.launch import ServerSpec
+
+    spec = ServerSpec(0, "http://127.0.0.1:9", ["true"], tmp_path / "engine0.log")
+    w = Worker(spec.url, spec=spec, state="dead", restarts=3, last_error="3 failed checks")
+    fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=0.3, interval_s=0.1,
+                                             max_restarts=3))
+    with pytest.raises(EnginesUnavailable) as info:
+        fleet.pick()
+    msg = str(info.value)
+    assert "rollout.sglang.no_engine_timeout_s" in msg and "engine0.log" in msg
+    assert "http://127.0.0.1:9 (dead" in msg and "3 failed checks" in msg
+    assert isinstance(info.value, RolloutEngineError)
+

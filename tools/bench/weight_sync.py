@@ -1,0 +1,132 @@
+"""Weight sync benchmark: a Qwen3-0.6B-shaped model (BF16, ~1.2 GB) pushed to a local
+`megapkl serve` worker in each mode of rollout.sglang.weight_sync (tensor, distributed over gloo,
+disk), side by side with a plain memory copy of the same bytes, in one run.
+
+Prints per mode: seconds per sync (the whole pause -> buckets -> version -> continue sequence,
+the server's loading included), GB/s, and the ratio to the memory copy. The worker's reported
+version is checked after every sync. `--shape tiny` runs the same on the tiny model in seconds.
+
+    python tools/bench/weight_sync.py [--shape qwen3-0.6b|tiny] [--bucket-mb 512] [--repeats 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+QWEN3_0P6B = dict(family="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28,
+                  num_attention_heads=16, num_query_groups=8, head_dim=128, ffn_hidden_size=3072,
+                  qk_layernorm=True, rope_theta=1000000.0, rms_norm_eps=1.0e-6,
+                  tie_word_embeddings=True, max_position_embeddings=40960)
+
+
+def spec_file(shape: str, directory: Path) -> str:
+    if shape == "tiny":
+        return "tiny-qwen3"
+    import yaml
+
+    path = directory / "qwen3-0.6b.yaml"
+    path.write_text(yaml.safe_dump(QWEN3_0P6B))
+    return str(path)
+
+
+def start_worker(spec: str, port: int, log: Path) -> subprocess.Popen:
+    from megapkl.rollout.sglang import http
+
+    proc = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--model-config", spec,
+                             "--dtype", "bfloat16", "--port", str(port)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while True:
+        try:
+            http.request(f"http://127.0.0.1:{port}", "health", timeout=5)
+            return proc
+        except (http.ServerUnreachable, http.ServerError):
+            if proc.poll() is not None or time.monotonic() - t0 > 900:
+                raise SystemExit(f"worker did not start; see {log}")
+            time.sleep(1)
+
+
+def trainer_weights(spec: str) -> list[tuple[str, torch.Tensor]]:
+    """Random BF16 tensors with the HF names and shapes of the model (what export_hf yields)."""
+    from megapkl.models.spec import hf_config_dict, load_spec
+    from megapkl.rollout.embedded import load_hf_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_hf_config(hf_config_dict(load_spec(spec), dtype="bfloat16"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(0)
+    return [(n, (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16))
+            for n, p in model.state_dict().items()]
+
+
+def memcpy_seconds(weights, repeats: int) -> float:
+    dst = [torch.empty_like(t) for _, t in weights]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the destination pages in
+        t0 = time.perf_counter()
+        for d, (_, t) in zip(dst, weights):
+            d.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=("qwen3-0.6b", "tiny"), default="qwen3-0.6b")
+    ap.add_argument("--bucket-mb", type=float, default=512.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--port", type=int, default=None, help="default: a free port")
+    args = ap.parse_args()
+
+    from megapkl.rollout.sglang import http
+    from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync
+
+    from megapkl.rollout.sglang.weights import free_port
+
+    port = args.port or free_port()
+    work = Path(tempfile.mkdtemp(prefix="megapkl_sync_bench_"))
+    spec = spec_file(args.shape, work)
+    weights = trainer_weights(spec)
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    proc = start_worker(spec, port, work / "worker.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        base = memcpy_seconds(weights, args.repeats)
+        rows = [{"what": "memory copy", "seconds": round(base, 3),
+                 "GB/s": round(nbytes / base / 1e9, 2), "ratio": 1.0}]
+        version = 0
+        for mode in ("tensor", "distributed", "disk"):
+            sync = WeightSync(SyncSettings(mode=mode, bucket_bytes=int(args.bucket_mb * MiB),
+                                           timeout_s=1800), export_dir=work)
+            best = float("inf")
+            for _ in range(args.repeats + 1):  # the first sync also sets up (shm, group, files)
+                version += 1
+                t0 = time.perf_counter()
+                sync.push([Target(url)], weights, version)
+                best = min(best, time.perf_counter() - t0)
+                got = http.request(url, "model_info", timeout=60)["weight_version"]
+                assert got == str(version), (mode, got, version)
+            sync.close_group([Target(url)])
+            rows.append({"what": f"sync {mode}", "seconds": round(best, 3),
+                         "GB/s": round(nbytes / best / 1e9, 2), "ratio": round(best / base, 1)})
+        print(json.dumps({"shape": args.shape, "tensors": len(weights), "bytes": nbytes,
+                          "bucket_mb": args.bucket_mb, "torch_threads": torch.get_num_threads()}))
+        for r in rows:
+            print(json.dumps(r))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()
