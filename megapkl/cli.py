@@ -5,6 +5,7 @@
     megapkl train CONFIG [KEY=VALUE ...]         train (validates the config first)
     megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
     megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
+    megapkl compare CONFIG --methods A,B --seeds N   methods x seeds, intervals and a report
 
 A bad config is one line on stderr naming the file, line and dotted key, and exit code 2. Imports
 are lazy: `config show` never imports torch. `cmd_train` and `cmd_demo` are the seams where the
@@ -82,12 +83,35 @@ def demo_config_path() -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG, plus plots."""
+    """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds."""
     path = demo_config_path()
     _load(path, args.overrides)  # a bad override is a config error before anything starts
     from megapkl.train.demo import run_demo
 
-    run_demo(path, args.overrides, args.compare)
+    run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Every method x seed, then curves with bootstrap bands and a report with intervals."""
+    from megapkl.train.compare import Criteria, compare, headline
+
+    cfg = _load(args.config, args.overrides)
+    base = cfg.seed if args.seed_base is None else args.seed_base
+    runner = None
+    if args.profile:
+        from megapkl.launch.cli import _wait
+        from megapkl.launch.compare import slurm_runner
+
+        runner = slurm_runner(args.profile, parallelism=args.parallelism,
+                              wait=lambda jobs: _wait(jobs, quiet=True))
+    crit = Criteria(metric=args.metric, ema_alpha=args.ema, threshold=args.threshold,
+                    collapse_drop=args.collapse_drop)
+    summary, report = compare(args.config, args.methods.split(","),
+                              list(range(base, base + args.seeds)), args.overrides, out=args.out,
+                              criteria=crit, runner=runner, analyze_only=args.analyze)
+    print("\n".join(headline(summary)))
+    print(f"report: {report}")
     return 0
 
 
@@ -134,9 +158,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="CPU demo: a tiny model learns a synthetic task")
-    demo.add_argument("--compare", action="store_true", help="also run GRPO on the same task")
+    demo.add_argument("--compare", action="store_true",
+                      help="Proximal KL, GRPO and PG over several seeds, with intervals")
+    demo.add_argument("--seeds", type=int, default=3, help="seeds per method with --compare")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     demo.set_defaults(func=cmd_demo)
+
+    from megapkl.launch.cli import _IntermixedParser
+
+    cmp = sub.add_parser("compare", help="methods x seeds with bootstrap intervals and a report")
+    cmp.__class__ = _IntermixedParser  # KEY=VALUE overrides may follow the options
+    cmp.add_argument("config", help="base run config YAML")
+    cmp.add_argument("--methods", required=True,
+                     help="comma-separated objective presets (configs/objectives/NAME.yaml or paths)")
+    cmp.add_argument("--seeds", type=int, default=5, help="seeds per method (default 5, at least 2)")
+    cmp.add_argument("--seed-base", type=int, default=None,
+                     help="first seed (default: the config's seed); seeds are consecutive")
+    cmp.add_argument("--out", default=None, help="output directory (default runs/<name>_compare)")
+    cmp.add_argument("--profile", default=None, help="run on Slurm with this cluster profile")
+    cmp.add_argument("--parallelism", type=int, default=None, help="Slurm array parallelism")
+    cmp.add_argument("--analyze", action="store_true", help="only analyze finished runs")
+    cmp.add_argument("--metric", default="train/accuracy", help="metric to compare")
+    cmp.add_argument("--threshold", type=float, default=0.9, help="for updates-to-threshold")
+    cmp.add_argument("--ema", type=float, default=0.2, help="EMA alpha of curves (default 0.2)")
+    cmp.add_argument("--collapse-drop", type=float, default=0.2,
+                     help="a fall this far below the running best counts as a collapse")
+    cmp.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    cmp.set_defaults(func=cmd_compare)
 
     plot = sub.add_parser("plot", help="EMA-smoothed curves of run directories into PNGs")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")

@@ -1,7 +1,8 @@
-"""The CPU demo: a tiny Qwen3-shaped model learns `add_mod10` with Proximal KL under periodic
+"""The CPU demo: a tiny Qwen3-shaped model learns `next_mod10` with Proximal KL under periodic
 refresh (configs/demo/cpu_demo.yaml), on the embedded engine, DP = 2 over gloo.
 
-`--compare` trains Proximal KL, GRPO and PG with the same seed and plots their curves together.
+`--compare` runs Proximal KL, GRPO and PG over several seeds through `megapkl compare` and reports
+each method's numbers with bootstrap intervals (one seed is noise, never a ranking).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Sequence
 from megapkl.train.metrics_log import read_metrics
 from megapkl.train.plot import ema, plot_runs
 
-COMPARE = {"proximal_kl": [], "grpo": ["objective.name=grpo"], "pg": ["objective.name=pg"]}
+COMPARE_METHODS = ("proximal_kl", "grpo", "pg")
 
 
 def accuracy_summary(run_dir: Path, alpha: float = 0.2) -> tuple[float, float, int]:
@@ -23,22 +24,35 @@ def accuracy_summary(run_dir: Path, alpha: float = 0.2) -> tuple[float, float, i
     return sum(acc[:5]) / min(5, len(acc)), smooth[-1], len(acc)
 
 
-def run_demo(config_path: str, overrides: Sequence[str], compare: bool) -> list[Path]:
+def run_demo(config_path: str, overrides: Sequence[str], compare: bool, seeds: int = 3) -> list[Path]:
+    if compare:
+        return run_demo_compare(config_path, overrides, seeds)
     from megapkl.config import load_config
     from megapkl.train.local import train_local
 
-    arms = COMPARE if compare else {"proximal_kl": []}
-    runs = []
-    for name, extra in arms.items():
-        cfg = load_config(config_path, [*overrides, *extra, f"name=cpu_demo_{name}"])
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a demo starts from scratch every time
-        t0 = time.time()
-        train_local(cfg)
-        start, end, n = accuracy_summary(Path(cfg.run_dir))
-        print(f"{name}: {n} updates in {time.time() - t0:.0f} s; training accuracy "
-              f"{start:.3f} (first 5 updates) -> {end:.3f} (EMA 0.2, last update); run dir {cfg.run_dir}")
-        runs.append(Path(cfg.run_dir))
-    out = runs[0].parent / ("cpu_demo_compare_plots" if compare else f"{runs[0].name}_plots")
-    files = plot_runs(runs, out, alpha=0.2, labels=list(arms))
+    cfg = load_config(config_path, [*overrides, "name=cpu_demo_proximal_kl"])
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a demo starts from scratch every time
+    t0 = time.time()
+    train_local(cfg)
+    run = Path(cfg.run_dir)
+    start, end, n = accuracy_summary(run)
+    print(f"proximal_kl: {n} updates in {time.time() - t0:.0f} s; training accuracy "
+          f"{start:.3f} (first 5 updates) -> {end:.3f} (EMA 0.2, last update); run dir {run}")
+    out = run.parent / f"{run.name}_plots"
+    files = plot_runs([run], out, alpha=0.2, labels=["proximal_kl"])
     print(f"plots: {out} ({len(files)} files)")
-    return runs
+    return [run]
+
+
+def run_demo_compare(config_path: str, overrides: Sequence[str], seeds: int) -> list[Path]:
+    from megapkl.config import load_config
+    from megapkl.train.compare import compare, headline
+
+    base = load_config(config_path, list(overrides)).seed
+    t0 = time.time()
+    summary, report = compare(config_path, COMPARE_METHODS, list(range(base, base + seeds)),
+                              overrides, out=Path("runs") / "cpu_demo_compare")
+    print(f"{len(COMPARE_METHODS)} methods x {seeds} seeds in {time.time() - t0:.0f} s")
+    print("\n".join(headline(summary)))
+    print(f"report with intervals and curves: {report}")
+    return [report.parent]
