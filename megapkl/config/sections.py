@@ -71,6 +71,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     virtual_pipeline: Optional[int] = field(default=None, metadata=rng(2))
     micro_batch_size: int = field(default=1, metadata=rng(1))
+    # Token-balanced micro-batches: when set, responses are packed by this budget of padded
+    # tokens per micro-batch (first-fit decreasing; prompt + response, rounded to the CP/SP
+    # multiple; one-row layout: rows x the longest) instead of micro_batch_size responses, and
+    # every DP rank runs the same number of micro-batches.
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata=rng(1))
     distributed_optimizer: bool = True
     # How responses share micro-batch rows: "none" = one right-padded row per response (BSHD);
     # "thd" = all responses of a micro-batch packed into one row with cu_seqlens (no padding

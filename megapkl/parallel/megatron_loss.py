@@ -142,7 +142,12 @@ def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
     n = batch.num_tokens
     report = ShardReport(loss=out.loss.detach(), num_tokens=n, parts=out.parts, coef=out.coef,
                          uid=mb.uid.index_select(0, batch.response_index), positions=batch.positions)
-    return out.loss * spec.stats.num_tokens, torch.tensor(n, dtype=torch.int), report
+    return out.loss * spec.stats.num_tokens, _count(n, logits), report
+
+
+def _count(n: int, like: Tensor) -> Tensor:
+    """A token count for megatron's accumulator (an int tensor on the logits' device)."""
+    return torch.tensor(n, dtype=torch.int, device=like.device)
 
 
 def _forward(model, mb: MicroBatch, groups: Optional[ParallelGroups] = None) -> Tensor:
@@ -233,7 +238,7 @@ def run_prepass(cfg: ObjectiveConfig, groups: ParallelGroups, model,
         ctx = shard_context(spec, mb, batch)
         ctx.response_table, ctx.m2_values = None, None
         table, m2 = shard_prepass(cfg, batch, ctx)
-        return torch.zeros(()), torch.tensor(0, dtype=torch.int), (table, m2)
+        return logits.new_zeros(()), _count(0, logits), (table, m2)
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
@@ -266,7 +271,7 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
         rows = action_rows(mb)
         keyed = torch.stack([mb.uid.index_select(0, rows).to(torch.float64),
                              mb.action_pos[mb.loss_mask].to(torch.float64), lp.to(torch.float64)], 1)
-        return torch.zeros(()), torch.tensor(0, dtype=torch.int), keyed
+        return logits.new_zeros(()), _count(0, logits), keyed
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
@@ -278,8 +283,27 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
     for uid in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == uid]
         mine = mine[torch.argsort(mine[:, 1])]
-        out[int(uid)] = mine[:, 2].to(torch.float32)
+        out[int(uid)] = mine[:, 2].to(device="cpu", dtype=torch.float32)
     return out
+
+
+def fill_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBatch], name: str,
+                  temperature: float = 1.0) -> None:
+    """Log-probs of every local action token under `model` (no grad) written into each
+    micro-batch's per-token field `name` (e.g. "logp_prox"), in place: the proximal / initial
+    log-probs for the same shards the training pass then uses. Only the last pipeline stage
+    computes (and needs) them."""
+    def loss_func(mb: MicroBatch, logits: Tensor):
+        lp = action_logprobs(mb, logits, groups, temperature).logp
+        buf = mb.fields.get(name)
+        if buf is None:
+            buf = mb.fields[name] = torch.zeros(mb.loss_mask.shape, dtype=torch.float32,
+                                                device=lp.device)
+        buf[mb.loss_mask] = lp.to(buf.dtype)
+        return logits.new_zeros(()), _count(0, logits), None
+
+    with torch.no_grad():
+        run_schedule(model, micro_batches, make_forward_step(loss_func, groups), forward_only=True)
 
 
 # ----------------------------------------------------------------------------- reports
@@ -297,8 +321,8 @@ def verify_token_count(reports: Sequence[ShardReport], stats: MinibatchStats,
                        groups: ParallelGroups) -> None:
     """Raise if megatron's divisor (sum of returned token counts) differs from stats.num_tokens,
     which would scale every gradient wrongly; cheap (one all-reduce), for tests and debugging."""
-    n = R.all_reduce_sum(torch.tensor([float(sum(r.num_tokens for r in reports))], dtype=torch.float64),
-                         groups.dp_cp)
+    n = R.all_reduce_sum(torch.tensor([float(sum(r.num_tokens for r in reports))], dtype=torch.float64,
+                                      device=groups.device), groups.dp_cp)
     if float(n) != stats.num_tokens:
         raise AssertionError(f"megatron divides by {float(n)} tokens, the loss assumed {stats.num_tokens}")
 

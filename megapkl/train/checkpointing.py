@@ -35,7 +35,7 @@ def save(trainer, step: int) -> Path:
                     trainer.learner.scheduler, step=step)
     state = {"step": step, "rollouts": trainer.rollouts.state_dict(),
              "snapshots": trainer.learner.snapshots.state_dict(), "batch": trainer.batch,
-             "responses": trainer.responses, "nan_streak": trainer.nan_streak,
+             "nan_streak": trainer.nan_streak,
              "nan_skipped": trainer.nan_skipped}
     tmp = path / f".trainer_rank{rank}.pt.tmp"
     torch.save(state, tmp)
@@ -80,7 +80,7 @@ def resume(trainer, resume: Any) -> int:
     state = torch.load(path / f"trainer_rank{dist.get_rank()}.pt", weights_only=False)
     trainer.rollouts.load_state_dict(state["rollouts"])
     trainer.learner.snapshots.load_state_dict(state["snapshots"])
-    trainer.batch, trainer.responses = state["batch"], state["responses"]
+    trainer.batch = state["batch"]   # Samples, with their advantages and per-batch logp_prox
     trainer.nan_streak, trainer.nan_skipped = state["nan_streak"], state["nan_skipped"]
     return int(state["step"])
 

@@ -7,6 +7,7 @@ snapshot), `export` streams the weights in Hugging Face names for the rollout en
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -21,7 +22,9 @@ from megapkl.models.provider import build_model_chunks, options_from_config
 from megapkl.models.snapshot import SnapshotStore
 from megapkl.models.spec import spec_from_model_config
 from megapkl.parallel import megatron_loss as ML
-from megapkl.parallel.batching import Response, make_micro_batches, pad_multiple, shard_for_cp
+from megapkl.parallel import reductions as R
+from megapkl.parallel.batching import (MicroBatch, make_micro_batches, micro_batch_shape, pad_multiple,
+                                       plan_by_tokens, seq_len, shard_for_cp, split_responses)
 from megapkl.parallel.groups import ParallelGroups
 
 
@@ -69,34 +72,65 @@ class Learner:
 
     # ------------------------------------------------------------------ batches
 
-    def micro_batches(self, responses: Sequence[Response]):
-        """This rank's CP shards of the micro-batches of `responses` (this DP rank's share)."""
-        per = self.cfg.parallel.micro_batch_size
-        num_micro = max(1, math.ceil(len(responses) / per))
-        mbs = make_micro_batches(responses, num_micro, self.multiple,
-                                 same_shape=self.groups.pp_size > 1,
-                                 layout="thd" if self.cfg.parallel.packing == "thd" else "bshd")
-        return [shard_for_cp(mb, self.groups.cp_rank, self.groups.cp_size) for mb in mbs]
+    @property
+    def layout(self) -> str:
+        return "thd" if self.cfg.parallel.packing == "thd" else "bshd"
+
+    def pack(self, samples: Sequence) -> list[MicroBatch]:
+        """This rank's CP shards of the micro-batches of `samples` (this DP rank's share), on
+        the device: the one place training data is packed and moved. Build once per minibatch
+        and pass to `logprobs` / `fill_logprobs` / `train_step`."""
+        plan = self.plan(samples)
+        parts = [[samples[i] for i in part] for part in plan]
+        shape = None
+        g = self.groups
+        if g.pp_size > 1 or g.ep_size > 1:
+            # PP sends fixed-shape activations; MoE's all-gather dispatcher gathers equal shapes
+            # over the EP group, which spans DP ranks: one [b, S] for every micro-batch and rank.
+            shape = micro_batch_shape(parts, self.multiple, self.layout)
+            if g.ep_size > 1:
+                shape = tuple(int(x) for x in R.all_reduce_max(torch.tensor(shape), g.dp).tolist())
+        mbs = make_micro_batches(samples, plan, self.multiple, shape=shape, layout=self.layout)
+        return [shard_for_cp(mb, g.cp_rank, g.cp_size).to(g.device) for mb in mbs]
+
+    def plan(self, samples: Sequence) -> list[list[int]]:
+        """Sample indices of each micro-batch: a fixed count per micro-batch, or first-fit
+        decreasing by token budget with every DP rank running the same number."""
+        p = self.cfg.parallel
+        if p.max_tokens_per_micro_batch is None:
+            num = max(1, math.ceil(len(samples) / p.micro_batch_size))
+            return split_responses(list(range(len(samples))), num)
+        lengths = [seq_len(s) for s in samples]
+        budget = p.max_tokens_per_micro_batch
+        mine = len(plan_by_tokens(lengths, budget, self.multiple, self.layout))
+        num = int(R.all_reduce_max(torch.tensor([mine]), self.groups.dp)[0])
+        return plan_by_tokens(lengths, budget, self.multiple, self.layout, num_micro=num)
 
     # ------------------------------------------------------------------ forward passes
 
-    def logprobs(self, responses: Sequence[Response], snapshot: Optional[str] = None
+    def logprobs(self, micro_batches: Sequence[MicroBatch], snapshot: Optional[str] = None
                  ) -> dict[int, torch.Tensor]:
-        """{uid: [T]} log-probs of the responses' tokens under the current weights or a snapshot,
-        on every rank (broadcast from the last pipeline stage)."""
-        mbs = self.micro_batches(responses)
-        if snapshot is None:
-            out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
-        else:
-            with self.snapshots.swapped_in(snapshot):
-                out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
+        """{uid: [T]} log-probs (CPU) of the micro-batches' tokens under the current weights or a
+        snapshot, on every rank (broadcast from the last pipeline stage)."""
+        with self._weights(snapshot):
+            out = ML.forward_logprobs(self.groups, self.model, micro_batches, self.temperature)
         return self._from_last_stage(out)
 
-    def train_step(self, responses: Sequence[Response], step: int) -> tuple[dict[str, float], bool]:
-        """One optimizer update on this rank's share; returns (metrics, applied). A non-finite
-        loss skips the update (gradients dropped) and returns applied=False."""
+    def fill_logprobs(self, micro_batches: Sequence[MicroBatch], name: str,
+                      snapshot: Optional[str] = None) -> None:
+        """Write the local action tokens' log-probs under the weights or a snapshot into each
+        micro-batch's field `name` (e.g. logp_prox): no gather, the shards are reused as is."""
+        with self._weights(snapshot):
+            ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
+
+    def _weights(self, snapshot: Optional[str]):
+        return contextlib.nullcontext() if snapshot is None else self.snapshots.swapped_in(snapshot)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], step: int) -> tuple[dict[str, float], bool]:
+        """One optimizer update on this rank's micro-batches (`pack`); returns (metrics,
+        applied). A non-finite loss skips the update (gradients dropped), applied=False."""
         obj = self.cfg.objective
-        mbs = self.micro_batches(responses)
+        mbs = micro_batches
         zero_grads(self.model, self.optimizer)
         stats = ML.count_minibatch(mbs, self.groups)
         if ML.prepass_required(obj, self.groups, len(mbs)):

@@ -121,7 +121,7 @@ def distributed_model(groups, state, cp_attention=True):
 def make_responses(model):
     """The minibatch; behavior/proximal/init log-probs and top-K are the model's own values
     (temperature-scaled) plus noise, so ratios are near 1 but not equal."""
-    from megapkl.parallel.batching import Response
+    from megapkl.rollout.sample import Sample
 
     g = torch.Generator().manual_seed(7)
     raw = []
@@ -141,10 +141,10 @@ def make_responses(model):
         topk_behav = lp_all.gather(1, topk) + 0.3 * torch.randn(t, TOPK, generator=g)
         topk_behav[hit, 0] = behav[hit]                 # mu's top-K value at a_t is logp_behav
         group = uid // 4
-        out.append(Response(prompt_ids=prompt, response_ids=resp, logp_behav=behav,
+        out.append(Sample(version=0, prompt_ids=prompt, response_ids=resp, logp_behav=behav,
                             advantage=float(rewards[uid] - rewards[group * 4:group * 4 + 4].mean()),
-                            group=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
-                            topk_ids=topk, topk_logp_behav=topk_behav))
+                            group_id=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
+                            topk_ids=topk, topk_logp=topk_behav))
     return out
 
 
@@ -170,17 +170,17 @@ def reference_batch(model, responses, entropy=False):
 
     lps = reference_logprobs(model, [(r.prompt_ids, r.response_ids) for r in responses])
     cat = lambda f: torch.cat([f(r, lp, h) for r, (lp, h) in zip(responses, lps)])  # noqa: E731
-    lengths = torch.tensor([r.num_actions for r in responses])
+    lengths = torch.tensor([r.response_len for r in responses])
     return TokenBatch(
         logp=cat(lambda r, lp, h: lp.gather(1, r.response_ids[:, None])[:, 0]),
         logp_behav=cat(lambda r, lp, h: r.logp_behav), logp_prox=cat(lambda r, lp, h: r.logp_prox),
         logp_init=cat(lambda r, lp, h: r.logp_init),
-        advantages=cat(lambda r, lp, h: torch.full((r.num_actions,), r.advantage)),
+        advantages=cat(lambda r, lp, h: torch.full((r.response_len,), r.advantage)),
         response_index=torch.repeat_interleave(torch.arange(len(responses)), lengths),
-        group_index=torch.tensor([r.group for r in responses]),
-        positions=cat(lambda r, lp, h: torch.arange(1, r.num_actions + 1)),
+        group_index=torch.tensor([r.group_id for r in responses]),
+        positions=cat(lambda r, lp, h: torch.arange(1, r.response_len + 1)),
         token_ids=cat(lambda r, lp, h: r.response_ids), topk_ids=cat(lambda r, lp, h: r.topk_ids),
-        topk_logp_behav=cat(lambda r, lp, h: r.topk_logp_behav),
+        topk_logp_behav=cat(lambda r, lp, h: r.topk_logp),
         topk_logp=cat(lambda r, lp, h: lp.gather(1, r.topk_ids)),
         response_uid=torch.tensor([r.uid for r in responses]), step=3,
         entropy=cat(lambda r, lp, h: h) if entropy else None)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megapkl.objectives import PolicyLossConfig, policy_loss
+from megapkl.rollout.sample import Sample
 
 import partition_harness as H
 
@@ -124,8 +125,8 @@ def test_layouts_tear_groups_apart_and_straddle_cp_chunks():
     from megapkl.parallel import batching as B
 
     lengths = [p + t for p, t in H.LENGTHS]
-    rs = [B.Response(prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.ones(t, dtype=torch.int64),
-                     logp_behav=torch.zeros(t), advantage=0.0, group=u // 4, uid=u)
+    rs = [Sample(version=0, prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.ones(t, dtype=torch.int64),
+                 logp_behav=torch.zeros(t), advantage=0.0, group_id=u // 4, uid=u)
           for u, (p, t) in enumerate(H.LENGTHS)]
     assert max(lengths) > 40
     place = {}
