@@ -388,6 +388,9 @@ def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = N
     rows = action_rows(mb)
     m = mb.num_responses
     f = {k: v[mask] for k, v in mb.fields.items()}
+    # The loss runs in fp32 (or fp64) whatever the model's dtype: bf16 log-probs are upcast
+    # (the vocab-parallel op already returns fp32 from bf16 logits).
+    logp, topk_logp, entropy = _fp32(logp), _fp32(topk_logp), _fp32(entropy)
     dtype = logp.dtype
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return TokenBatch(
@@ -397,6 +400,10 @@ def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = N
         token_ids=mb.labels[mask], topk_ids=f.get("topk_ids"),
         topk_logp_behav=cast(f.get("topk_logp_behav")), topk_logp=topk_logp,
         response_uid=mb.uid[:m], step=step, entropy=entropy)
+
+
+def _fp32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def response_lengths(mb: MicroBatch) -> Tensor:

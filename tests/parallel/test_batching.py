@@ -124,3 +124,14 @@ def test_token_budget_plan_is_first_fit_decreasing_and_equalized():
     mbs = B.make_micro_batches(rs, plan, 4, layout="thd")
     assert [mb.uid[:mb.num_responses].tolist() for mb in mbs] == [[100 + i for i in p] for p in plan]
     assert max(mb.seq_length for mb in mbs) <= 96
+
+
+def test_loss_view_is_fp32_from_bf16_logprobs():
+    mb = B.pack(responses(), multiple=4)
+    n = mb.num_action_tokens
+    tb = B.token_batch(mb, torch.zeros(n, dtype=torch.bfloat16, requires_grad=True),
+                       topk_logp=torch.zeros(n, 3, dtype=torch.bfloat16),
+                       entropy=torch.zeros(n, dtype=torch.bfloat16))
+    for name in ("logp", "logp_behav", "logp_prox", "advantages", "topk_logp", "topk_logp_behav", "entropy"):
+        assert getattr(tb, name).dtype == torch.float32, name
+    assert tb.logp.requires_grad
