@@ -86,6 +86,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor < 2:
             err("sequence parallelism splits activations across the tensor-parallel group and needs "
                 f"parallel.tensor > 1, got tensor={self.tensor}", "sequence_parallel", "tensor")
+        if self.expert > 1 and self.tensor > 1 and not self.sequence_parallel:
+            err("megatron-core needs sequence parallelism when expert and tensor parallelism are "
+                f"combined (expert={self.expert}, tensor={self.tensor}); set "
+                "parallel.sequence_parallel: true", "sequence_parallel", "expert", "tensor")
         if self.virtual_pipeline is not None and self.pipeline < 2:
             err("an interleaved (virtual) pipeline needs parallel.pipeline > 1, "
                 f"got pipeline={self.pipeline}", "virtual_pipeline", "pipeline")
@@ -94,6 +98,12 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks that hold one model replica: tensor x pipeline x context."""
         return self.tensor * self.pipeline * self.context
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every sequence is padded to this: 2*cp equal CP chunks, each split over TP under SP
+        (`megapkl.parallel.batching.pad_multiple`)."""
+        return 2 * self.context * (self.tensor if self.sequence_parallel else 1)
 
     def data_size(self, world_size: Optional[int]) -> Optional[int]:
         """The data-parallel size, or None while 'auto' and the world size is unknown."""

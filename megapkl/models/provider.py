@@ -42,6 +42,7 @@ class ModelOptions:
     # megatron's per-token-loss semantics: the RL loss returns (N * loss, tokens) per micro-batch and
     # megatron divides by the summed token count (megapkl.parallel.megatron_loss explains why).
     per_token_loss: bool = False
+    packed_sequences: bool = False  # THD micro-batches (parallel.packing: thd) reach the attention
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +59,7 @@ def options_from_config(model_cfg: Any, parallel_cfg: Any) -> ModelOptions:
         sequence_parallel=parallel_cfg.sequence_parallel,
         routing_replay=model_cfg.routing_replay,
         recompute=model_cfg.recompute,
+        packed_sequences=parallel_cfg.packing == "thd",
         virtual_pipeline=parallel_cfg.virtual_pipeline,
     )
 
@@ -240,7 +242,7 @@ def _replace_norms(spec: Any, old: type, new: type) -> Any:
     return spec
 
 
-def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
+def layer_spec(spec: ModelSpec, config: Any, use_te: bool, packed: bool = False):
     """The transformer-layer ModuleSpec (TE or local) for one decoder layer."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -254,23 +256,23 @@ def layer_spec(spec: ModelSpec, config: Any, use_te: bool):
     local = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
         normalization="RMSNorm")
-    if config.context_parallel_size > 1:
-        # megatron's local attention refuses CP; ours all-gathers K/V over the CP group (CPU path).
-        from megapkl.parallel.cp_attention import replace_core_attention
+    # megatron's local attention refuses CP and packed (THD) sequences; ours all-gathers K/V
+    # over the CP group and is block-diagonal causal on packed rows (CPU path).
+    from megapkl.parallel.cp_attention import local_spec_attention
 
-        local = replace_core_attention(local)
+    local = local_spec_attention(local, cp_size=config.context_parallel_size, packed=packed)
     return _replace_norms(local, WrappedTorchNorm, QwenRMSNorm)
 
 
 def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[int],
-               pp_rank: int):
+               pp_rank: int, packed: bool = False):
     """Decoder block spec: the layer spec repeated for this stage, plus the final norm."""
     if use_te:
         return layer_spec(spec, config, use_te)  # the block picks TE's norm for the final layer
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
 
-    layer = layer_spec(spec, config, use_te)
+    layer = layer_spec(spec, config, use_te, packed)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
@@ -296,7 +298,8 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
     last = sizes.pp_rank == sizes.pp - 1 and (vpp is None or is_vp_last_stage(vp_stage, vpp))
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(spec, config, use_te, vp_stage, sizes.pp_rank),
+        transformer_layer_spec=block_spec(spec, config, use_te, vp_stage, sizes.pp_rank,
+                                          opts.packed_sequences),
         vocab_size=spec.padded_vocab_size(sizes.tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=first,
