@@ -121,7 +121,7 @@ def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False
     return 2 * cp_size * (tp_size if sequence_parallel else 1)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -221,7 +221,7 @@ def pack(samples: Sequence[PackableSample], multiple: int, *, seq_length: Option
     if b < len(samples):
         raise ValueError(f"pack: rows={rows} < {len(samples)} samples")
     longest = max(seq_len(x) for x in samples)
-    s = _round_up(longest, multiple) if seq_length is None else seq_length
+    s = round_up(longest, multiple) if seq_length is None else seq_length
     if s < longest or s % multiple:
         raise ValueError(f"pack: seq_length {s} must be >= {longest} and a multiple of {multiple}")
     parts = _fill(samples, range(len(samples)), [0] * len(samples), b, s, pad_id)
@@ -275,50 +275,7 @@ def micro_batch_shape(groups: Sequence[Sequence[PackableSample]], multiple: int,
     if layout == "thd":
         return 1, max(thd_length(p, multiple) for p in groups)
     longest = max(seq_len(x) for p in groups for x in p)
-    return max(len(p) for p in groups), _round_up(longest, multiple)
-
-
-# ----------------------------------------------------------------------------- token budgets
-
-def padded_cost(lengths: Sequence[int], multiple: int, layout: str) -> int:
-    """Tokens the model processes for one micro-batch of sequences of these lengths: the
-    packed row for THD, rows x the longest for one row per response."""
-    if not lengths:
-        return 0
-    if layout == "thd":
-        return sum(_round_up(n, multiple) for n in lengths)
-    return len(lengths) * _round_up(max(lengths), multiple)
-
-
-def plan_by_tokens(lengths: Sequence[int], max_tokens: int, multiple: int, layout: str,
-                   num_micro: Optional[int] = None) -> list[list[int]]:
-    """First-fit decreasing: sample indices grouped into micro-batches of at most `max_tokens`
-    padded tokens (`padded_cost`), each listed in increasing index order, micro-batches ordered
-    by their first index. `num_micro` (>= the FFD count, e.g. the maximum over DP ranks) splits
-    the fullest micro-batches until there are that many, so every rank runs the same number."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    for i in order:
-        if padded_cost([lengths[i]], multiple, layout) > max_tokens:
-            raise ValueError(f"parallel.max_tokens_per_micro_batch = {max_tokens} is smaller than "
-                             f"one response (prompt + response = {lengths[i]} tokens, padded to "
-                             f"{padded_cost([lengths[i]], multiple, layout)})")
-        for b in bins:
-            if padded_cost([lengths[j] for j in b] + [lengths[i]], multiple, layout) <= max_tokens:
-                b.append(i)
-                break
-        else:
-            bins.append([i])
-    target = len(bins) if num_micro is None else num_micro
-    if not len(bins) <= target <= len(lengths):
-        raise ValueError(f"plan_by_tokens: cannot make {target} micro-batches of {len(lengths)} "
-                         f"responses (first-fit needs {len(bins)})")
-    while len(bins) < target:   # split the micro-batch with the most responses in two
-        b = max(bins, key=len)
-        bins.remove(b)
-        b = sorted(b)
-        bins += [b[:len(b) // 2], b[len(b) // 2:]]
-    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    return max(len(p) for p in groups), round_up(longest, multiple)
 
 
 # ----------------------------------------------------------------------------- context parallel
@@ -431,7 +388,7 @@ def response_lengths(mb: MicroBatch) -> Tensor:
 
 def thd_length(samples: Sequence[PackableSample], multiple: int) -> int:
     """Packed row length of `samples` (each prompt + response rounded up to `multiple`)."""
-    return sum(_round_up(seq_len(x), multiple) for x in samples)
+    return sum(round_up(seq_len(x), multiple) for x in samples)
 
 
 def thd_cp_index(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
@@ -461,7 +418,7 @@ def pack_thd(samples: Sequence[PackableSample], multiple: int, *, total_length: 
     """
     check_samples(samples, "pack_thd")
     lens = [seq_len(x) for x in samples]
-    padded = [_round_up(n, multiple) for n in lens]
+    padded = [round_up(n, multiple) for n in lens]
     s = sum(padded)
     if total_length is not None:
         if total_length < s or total_length % multiple:

@@ -22,9 +22,8 @@ from megapkl.models.provider import build_model_chunks, options_from_config
 from megapkl.models.snapshot import SnapshotStore
 from megapkl.models.spec import spec_from_model_config
 from megapkl.parallel import megatron_loss as ML
-from megapkl.parallel import reductions as R
-from megapkl.parallel.batching import (MicroBatch, make_micro_batches, micro_batch_shape, pad_multiple,
-                                       plan_by_tokens, seq_len, shard_for_cp, split_responses)
+from megapkl.parallel.batching import MicroBatch, pad_multiple
+from megapkl.parallel.microbatches import build_micro_batches
 from megapkl.parallel.groups import ParallelGroups
 
 
@@ -78,33 +77,12 @@ class Learner:
 
     def pack(self, samples: Sequence) -> list[MicroBatch]:
         """This rank's CP shards of the micro-batches of `samples` (this DP rank's share), on
-        the device: the one place training data is packed and moved. Build once per minibatch
-        and pass to `logprobs` / `fill_logprobs` / `train_step`."""
-        plan = self.plan(samples)
-        parts = [[samples[i] for i in part] for part in plan]
-        shape = None
-        g = self.groups
-        if g.pp_size > 1 or g.ep_size > 1:
-            # PP sends fixed-shape activations; MoE's all-gather dispatcher gathers equal shapes
-            # over the EP group, which spans DP ranks: one [b, S] for every micro-batch and rank.
-            shape = micro_batch_shape(parts, self.multiple, self.layout)
-            if g.ep_size > 1:
-                shape = tuple(int(x) for x in R.all_reduce_max(torch.tensor(shape), g.dp).tolist())
-        mbs = make_micro_batches(samples, plan, self.multiple, shape=shape, layout=self.layout)
-        return [shard_for_cp(mb, g.cp_rank, g.cp_size).to(g.device) for mb in mbs]
-
-    def plan(self, samples: Sequence) -> list[list[int]]:
-        """Sample indices of each micro-batch: a fixed count per micro-batch, or first-fit
-        decreasing by token budget with every DP rank running the same number."""
+        the device: built once per minibatch, then passed to `logprobs` / `fill_logprobs` /
+        `train_step` (`megapkl.parallel.microbatches`)."""
         p = self.cfg.parallel
-        if p.max_tokens_per_micro_batch is None:
-            num = max(1, math.ceil(len(samples) / p.micro_batch_size))
-            return split_responses(list(range(len(samples))), num)
-        lengths = [seq_len(s) for s in samples]
-        budget = p.max_tokens_per_micro_batch
-        mine = len(plan_by_tokens(lengths, budget, self.multiple, self.layout))
-        num = int(R.all_reduce_max(torch.tensor([mine]), self.groups.dp)[0])
-        return plan_by_tokens(lengths, budget, self.multiple, self.layout, num_micro=num)
+        return build_micro_batches(samples, self.groups, self.multiple, self.layout,
+                                   micro_batch_size=p.micro_batch_size,
+                                   max_tokens=p.max_tokens_per_micro_batch)
 
     # ------------------------------------------------------------------ forward passes
 

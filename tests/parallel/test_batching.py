@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megapkl.parallel import batching as B
+from megapkl.parallel import microbatches as MB
 from megapkl.rollout.sample import Sample
 
 
@@ -103,22 +104,22 @@ def test_split_and_errors():
 
 def test_token_budget_plan_is_first_fit_decreasing_and_equalized():
     lengths = [10, 80, 12, 30, 9, 41, 70, 8]
-    plan = B.plan_by_tokens(lengths, 96, 4, "thd")
+    plan = MB.plan_by_tokens(lengths, 96, 4, "thd")
     assert sorted(i for p in plan for i in p) == list(range(8))
     for part in plan:
-        assert B.padded_cost([lengths[i] for i in part], 4, "thd") <= 96
+        assert MB.padded_cost([lengths[i] for i in part], 4, "thd") <= 96
     # FFD: 80 (+12 -> 92), 70 (+10 +9 -> 92), 41 (+30 +8 -> 84): three micro-batches
     assert plan == [[0, 4, 6], [1, 2], [3, 5, 7]]
     # one row per response costs rows x the longest
-    assert B.padded_cost([10, 30], 4, "bshd") == 64 and B.padded_cost([10, 30], 4, "thd") == 44
+    assert MB.padded_cost([10, 30], 4, "bshd") == 64 and MB.padded_cost([10, 30], 4, "thd") == 44
     # another DP rank needs more micro-batches: split the fullest until the counts agree
-    five = B.plan_by_tokens(lengths, 96, 4, "thd", num_micro=5)
+    five = MB.plan_by_tokens(lengths, 96, 4, "thd", num_micro=5)
     assert len(five) == 5 and sorted(i for p in five for i in p) == list(range(8))
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch = 64 is smaller than one "
                                          "response .* 80 tokens"):
-        B.plan_by_tokens(lengths, 64, 4, "thd")
+        MB.plan_by_tokens(lengths, 64, 4, "thd")
     with pytest.raises(ValueError, match="cannot make 9 micro-batches of 8"):
-        B.plan_by_tokens(lengths, 96, 4, "thd", num_micro=9)
+        MB.plan_by_tokens(lengths, 96, 4, "thd", num_micro=9)
     # the plan feeds make_micro_batches; every sample lands once, in index order per micro-batch
     rs = responses(lengths=[(1, n - 1) for n in lengths])
     mbs = B.make_micro_batches(rs, plan, 4, layout="thd")

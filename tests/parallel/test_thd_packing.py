@@ -188,7 +188,7 @@ def thd_worker(rank, world_size, layout, state, responses, cases):
 
     tp, pp, cp, dp, micro = layout
     groups = init_parallel(tp=tp, pp=pp, cp=cp, seed=H.SEED)
-    ddp, module = H.distributed_model(groups, state)
+    ddp, module = H.distributed_model(groups, state, packed=True)
     mine = H.dp_share(responses, groups.dp_rank, groups.dp_size)
     mult = B.pad_multiple(cp)
     thd = [B.shard_for_cp(mb, groups.cp_rank, cp)
