@@ -97,8 +97,15 @@ class ParallelSizes:
     pp_rank: int = 0
 
 
-def sizes_from_megatron() -> ParallelSizes:
-    """The layout megatron's parallel_state was initialised with."""
+def sizes_from_megatron(pg_collection: Any = None) -> ParallelSizes:
+    """The layout of megatron's `ProcessGroupCollection` (`ParallelGroups.pg_collection`), or
+    of its parallel_state when none is given."""
+    if pg_collection is not None:
+        import torch.distributed as dist
+
+        pgc, n = pg_collection, dist.get_world_size
+        return ParallelSizes(tp=n(pgc.tp), pp=n(pgc.pp), ep=n(pgc.ep), etp=n(pgc.expt_tp),
+                             cp=n(pgc.cp), pp_rank=dist.get_rank(pgc.pp))
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -281,7 +288,7 @@ def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[in
 
 
 def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
-                vp_stage: Optional[int] = None, config: Any = None):
+                vp_stage: Optional[int] = None, config: Any = None, pg_collection: Any = None):
     """One megatron `GPTModel` chunk for this rank's pipeline stage (and virtual stage).
 
     Weights are megatron's random init (seeded by `init_parallel(seed=...)`); load a
@@ -290,7 +297,7 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
-    sizes = sizes_from_megatron()
+    sizes = sizes_from_megatron(pg_collection)
     config = config or transformer_config(spec, opts, sizes)
     use_te = _use_te(opts)
     vpp = opts.virtual_pipeline
@@ -310,18 +317,21 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     model.megapkl_spec = spec  # the HF mapping and exporters read it back from the model
     return model
 
 
-def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions()) -> List[Any]:
-    """All model chunks of this rank: one, or `virtual_pipeline` for an interleaved pipeline."""
-    sizes = sizes_from_megatron()
+def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
+                       pg_collection: Any = None) -> List[Any]:
+    """All model chunks of this rank: one, or `virtual_pipeline` for an interleaved pipeline.
+    `pg_collection` (`ParallelGroups.pg_collection`): megatron's explicit process groups."""
+    sizes = sizes_from_megatron(pg_collection)
     config = transformer_config(spec, opts, sizes)
     if opts.virtual_pipeline is None:
-        return [build_model(spec, opts, config=config)]
-    return [build_model(spec, opts, vp_stage=i, config=config)
+        return [build_model(spec, opts, config=config, pg_collection=pg_collection)]
+    return [build_model(spec, opts, vp_stage=i, config=config, pg_collection=pg_collection)
             for i in range(opts.virtual_pipeline)]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,9 @@ class ParallelGroups:
     ep_rank: int
     ep_size: int
     device: torch.device = torch.device("cpu")
+    # megatron's `ProcessGroupCollection` of the same layout (every group megatron-core's model,
+    # DDP, optimizer and schedules take as an argument); None for the single-process bundle.
+    pg_collection: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -105,21 +108,22 @@ class ParallelGroups:
                                ep=None, device=torch.device("cpu"))
 
     @classmethod
+    def from_collection(cls, pgc) -> "ParallelGroups":
+        """The bundle of megatron's `ProcessGroupCollection` (which it keeps for megatron)."""
+        bundle = cls.from_groups(world=dist.group.WORLD, tp=pgc.tp, pp=pgc.pp, cp=pgc.cp,
+                                 dp=pgc.dp, dp_cp=pgc.dp_cp, ep=pgc.ep)
+        return dataclasses.replace(bundle, pg_collection=pgc)
+
+    @classmethod
     def from_megatron(cls) -> "ParallelGroups":
-        """Read the groups megatron-core created in `initialize_model_parallel`."""
+        """The groups megatron-core created in `initialize_model_parallel`, taken once: the only
+        read of megatron's `parallel_state` in megapkl; everything else receives the groups."""
         from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("megatron model parallel is not initialized")
-        return cls.from_groups(
-            world=dist.group.WORLD,
-            tp=ps.get_tensor_model_parallel_group(),
-            pp=ps.get_pipeline_model_parallel_group(),
-            cp=ps.get_context_parallel_group(),
-            dp=ps.get_data_parallel_group(with_context_parallel=False),
-            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-            ep=ps.get_expert_model_parallel_group(),
-        )
+        return cls.from_collection(ProcessGroupCollection.use_mpu_process_groups())
 
 
 def process_device() -> torch.device:

@@ -178,23 +178,29 @@ def make_forward_step(loss_func: Callable, groups: Optional[ParallelGroups] = No
 # ----------------------------------------------------------------------------- schedules
 
 def run_schedule(model, micro_batches: Sequence[MicroBatch], forward_step: Callable,
-                 forward_only: bool) -> list:
-    """megatron's forward-backward schedule over `micro_batches` (CP shards of this rank)."""
+                 forward_only: bool, groups: Optional[ParallelGroups] = None) -> list:
+    """megatron's forward-backward schedule over `micro_batches` (CP shards of this rank), with
+    the explicit process groups of `groups` (megatron's own globals when None)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    pp = groups.pp_size if groups is not None else _pp_size()
+    pgc = groups.pg_collection if groups is not None else None
+    kwargs = {} if pgc is None else {"pg_collection": pgc}
     shapes = {(mb.tokens.shape[0], mb.seq_length) for mb in micro_batches}
-    if len(shapes) > 1 and _pp_size() > 1:
+    if len(shapes) > 1 and pp > 1:
         raise ValueError(f"pipeline parallelism needs one [b, S] for every micro-batch, got {shapes}"
                          " (make_micro_batches(..., same_shape=True))")
     b, s = max(shapes)
-    return get_forward_backward_func()(
+    models = model if isinstance(model, list) else [model]
+    vp = len(models) if len(models) > 1 else None
+    return get_forward_backward_func(pp_size=pp, vp_size=vp)(
         forward_step_func=forward_step, data_iterator=iter(micro_batches),
-        model=model if isinstance(model, list) else [model], num_microbatches=len(micro_batches),
-        seq_length=s, micro_batch_size=b, forward_only=forward_only)
+        model=models, num_microbatches=len(micro_batches),
+        seq_length=s, micro_batch_size=b, forward_only=forward_only, **kwargs)
 
 
 def _pp_size() -> int:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps   # only for callers without groups
 
     return ps.get_pipeline_model_parallel_world_size()
 
@@ -208,7 +214,7 @@ def forward_backward(spec: PolicyLossSpec, model, micro_batches: Sequence[MicroB
     _check_per_token_config(model)
     return run_schedule(model, micro_batches,
                         make_forward_step(functools.partial(policy_loss_func, spec), spec.groups),
-                        forward_only=False)
+                        forward_only=False, groups=spec.groups)
 
 
 def _check_per_token_config(model) -> None:
@@ -242,7 +248,7 @@ def run_prepass(cfg: ObjectiveConfig, groups: ParallelGroups, model,
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
-                             forward_only=True)
+                             forward_only=True, groups=groups)
     if not store:
         return stats
     return gather_prepass(cfg, groups, store, stats)
@@ -275,7 +281,7 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
-                             forward_only=True)
+                             forward_only=True, groups=groups)
     if not store:
         return {}
     rows = torch.cat(R.all_gather_varlen(torch.cat(store), groups.cp))
@@ -303,7 +309,8 @@ def fill_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBa
         return logits.new_zeros(()), _count(0, logits), None
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, make_forward_step(loss_func, groups), forward_only=True)
+        run_schedule(model, micro_batches, make_forward_step(loss_func, groups), forward_only=True,
+                     groups=groups)
 
 
 # ----------------------------------------------------------------------------- reports

@@ -56,15 +56,16 @@ class Learner:
     def __init__(self, cfg, groups: ParallelGroups) -> None:
         self.cfg, self.groups = cfg, groups
         self.spec = spec_from_model_config(cfg.model)
-        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel))
+        pgc = groups.pg_collection   # megatron's explicit process groups, everywhere below
+        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel), pgc)
         ckpt = hf_checkpoint_dir(cfg)
         if ckpt is not None:
             load_hf_weights(chunks, ckpt, spec=self.spec, groups=groups)
         self.settings = optim_settings(cfg)
-        self.model = wrap_ddp(chunks, self.settings)
-        self.optimizer = build_optimizer(self.model, self.settings)
+        self.model = wrap_ddp(chunks, self.settings, pg_collection=pgc)
+        self.optimizer = build_optimizer(self.model, self.settings, pg_collection=pgc)
         self.scheduler = build_scheduler(self.optimizer, self.settings)
-        attach_to_config(self.model, self.optimizer)
+        attach_to_config(self.model, self.optimizer, pg_collection=pgc)
         self.snapshots = SnapshotStore(self.model)
         self.temperature = cfg.rollout.temperature
         self.multiple = pad_multiple(groups.cp_size, groups.tp_size, cfg.parallel.sequence_parallel)
