@@ -136,3 +136,16 @@ def test_loss_view_is_fp32_from_bf16_logprobs():
     for name in ("logp", "logp_behav", "logp_prox", "advantages", "topk_logp", "topk_logp_behav", "entropy"):
         assert getattr(tb, name).dtype == torch.float32, name
     assert tb.logp.requires_grad
+
+
+def test_micro_batch_moves_every_tensor_to_the_device():
+    """`MicroBatch.to` (the one place batches reach the device) leaves no tensor behind: the
+    per-position tensors, per-response tensors, token fields, THD bounds and R3 routing."""
+    rs = [dataclasses.replace(r, routed_experts=torch.zeros(r.prompt_ids.numel() + r.response_len - 1, 2, 2,
+                                                            dtype=torch.int32)) for r in responses()]
+    for mb in (B.pack(rs, 4), B.pack_thd(rs, 4)):
+        moved = mb.to("meta")
+        tensors = [v for v in vars(moved).values() if isinstance(v, torch.Tensor)] + list(moved.fields.values())
+        assert len(tensors) >= (15 if mb.is_thd else 12)
+        assert all(t.device.type == "meta" for t in tensors)
+        assert mb.tokens.device.type == "cpu"          # a new MicroBatch; the CPU one is unchanged
