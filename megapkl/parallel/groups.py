@@ -116,8 +116,9 @@ class ParallelGroups:
 
     @classmethod
     def from_megatron(cls) -> "ParallelGroups":
-        """The groups megatron-core created in `initialize_model_parallel`, taken once: the only
-        read of megatron's `parallel_state` in megapkl; everything else receives the groups."""
+        """The groups megatron-core created in `initialize_model_parallel`, taken once here; the
+        trainer passes them on (model, DDP, optimizer, schedules, loss) instead of megatron
+        reading its `parallel_state` globals."""
         from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import ProcessGroupCollection
 

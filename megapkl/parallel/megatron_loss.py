@@ -178,13 +178,12 @@ def make_forward_step(loss_func: Callable, groups: Optional[ParallelGroups] = No
 # ----------------------------------------------------------------------------- schedules
 
 def run_schedule(model, micro_batches: Sequence[MicroBatch], forward_step: Callable,
-                 forward_only: bool, groups: Optional[ParallelGroups] = None) -> list:
+                 forward_only: bool, groups: ParallelGroups) -> list:
     """megatron's forward-backward schedule over `micro_batches` (CP shards of this rank), with
-    the explicit process groups of `groups` (megatron's own globals when None)."""
+    the explicit process groups of `groups` (its `pg_collection`; pipeline size from it too)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    pp = groups.pp_size if groups is not None else _pp_size()
-    pgc = groups.pg_collection if groups is not None else None
+    pp, pgc = groups.pp_size, groups.pg_collection
     kwargs = {} if pgc is None else {"pg_collection": pgc}
     shapes = {(mb.tokens.shape[0], mb.seq_length) for mb in micro_batches}
     if len(shapes) > 1 and pp > 1:
@@ -193,16 +192,17 @@ def run_schedule(model, micro_batches: Sequence[MicroBatch], forward_step: Calla
     b, s = max(shapes)
     models = model if isinstance(model, list) else [model]
     vp = len(models) if len(models) > 1 else None
+    if pgc is not None and pp > 1:   # pipeline schedules take the p2p channel with the groups
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pgc.pp,
+                                                     config=get_model_config(models[0]))
     return get_forward_backward_func(pp_size=pp, vp_size=vp)(
         forward_step_func=forward_step, data_iterator=iter(micro_batches),
         model=models, num_microbatches=len(micro_batches),
         seq_length=s, micro_batch_size=b, forward_only=forward_only, **kwargs)
 
-
-def _pp_size() -> int:
-    from megatron.core import parallel_state as ps   # only for callers without groups
-
-    return ps.get_pipeline_model_parallel_world_size()
 
 
 def forward_backward(spec: PolicyLossSpec, model, micro_batches: Sequence[MicroBatch]) -> list[ShardReport]:

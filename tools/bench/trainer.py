@@ -58,7 +58,8 @@ def bare_step(learner, mbs):
         n = max(1, lp.numel())
         return -lp.sum(), torch.tensor(n, dtype=torch.int), None
 
-    ML.run_schedule(learner.model, mbs, ML.make_forward_step(loss_func), forward_only=False)
+    ML.run_schedule(learner.model, mbs, ML.make_forward_step(loss_func), forward_only=False,
+                    groups=learner.groups)
 
 
 def trainer_step(learner, mbs, step):
