@@ -8,7 +8,7 @@ DEMO = "configs/demo/cpu_demo.yaml"
 
 
 @pytest.mark.parametrize("overrides, key, text", [
-    (["parallel.max_tokens_per_micro_batch=40", "rollout.max_prompt_len=16",
+    (["parallel.max_tokens_per_micro_batch=40", "rollout.max_prompt_len=16", "parallel.data=auto",
       "rollout.max_response_len=32"], "parallel.max_tokens_per_micro_batch",
      "cannot hold the longest response"),
     # CP=2 pads every sequence to a multiple of 4: 48 + 1 -> 52 > 50
