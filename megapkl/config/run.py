@@ -157,6 +157,9 @@ def _check_layers(cfg: RunConfig, err) -> None:
 def _check_batch(cfg: RunConfig, err) -> None:
     ro, par = cfg.rollout, cfg.parallel
     data = par.data_size(cfg.world_size)
+    if par.max_tokens_per_micro_batch is not None:
+        _check_token_budget(cfg, data, err)
+        return
     if data is None:
         return
     per_step = data * par.micro_batch_size
@@ -165,6 +168,20 @@ def _check_batch(cfg: RunConfig, err) -> None:
             f"responses_per_prompt / minibatches_per_batch) does not split into data ({data}) x "
             f"micro_batch_size ({par.micro_batch_size}) equal parts", "parallel.micro_batch_size",
             "rollout.prompts_per_batch", "parallel.data")
+
+
+def _check_token_budget(cfg: RunConfig, data: Optional[int], err) -> None:
+    ro, par = cfg.rollout, cfg.parallel
+    mult = par.sequence_multiple
+    longest = -(-(ro.max_prompt_len + ro.max_response_len) // mult) * mult
+    if par.max_tokens_per_micro_batch < longest:
+        err(f"a token budget of {par.max_tokens_per_micro_batch} cannot hold the longest response: "
+            f"rollout.max_prompt_len + max_response_len = {ro.max_prompt_len + ro.max_response_len}"
+            f" tokens, padded to {longest} (multiple of {mult})", "parallel.max_tokens_per_micro_batch",
+            "rollout.max_response_len")
+    if data is not None and ro.responses_per_minibatch % data:
+        err(f"an optimizer minibatch of {ro.responses_per_minibatch} responses does not split over "
+            f"data = {data} ranks", "parallel.data", "rollout.prompts_per_batch")
 
 
 def _check_advantage(cfg: RunConfig, err) -> None:

@@ -98,6 +98,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     virtual_pipeline: Optional[int] = field(default=None, metadata=rng(2))
     micro_batch_size: int = field(default=1, metadata=rng(1))
+    # Token-balanced micro-batches: when set, responses are packed by this budget of padded
+    # tokens per micro-batch (first-fit decreasing; prompt + response, rounded to the CP/SP
+    # multiple; one-row layout: rows x the longest) instead of micro_batch_size responses, and
+    # every DP rank runs the same number of micro-batches.
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata=rng(1))
     distributed_optimizer: bool = True
     # How responses share micro-batch rows: "none" = one right-padded row per response (BSHD);
     # "thd" = all responses of a micro-batch packed into one row with cu_seqlens (no padding
@@ -108,6 +113,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor < 2:
             err("sequence parallelism splits activations across the tensor-parallel group and needs "
                 f"parallel.tensor > 1, got tensor={self.tensor}", "sequence_parallel", "tensor")
+        if self.expert > 1 and self.tensor > 1 and not self.sequence_parallel:
+            err("megatron-core needs sequence parallelism when expert and tensor parallelism are "
+                f"combined (expert={self.expert}, tensor={self.tensor}); set "
+                "parallel.sequence_parallel: true", "sequence_parallel", "expert", "tensor")
         if self.virtual_pipeline is not None and self.pipeline < 2:
             err("an interleaved (virtual) pipeline needs parallel.pipeline > 1, "
                 f"got pipeline={self.pipeline}", "virtual_pipeline", "pipeline")
@@ -116,6 +125,12 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks that hold one model replica: tensor x pipeline x context."""
         return self.tensor * self.pipeline * self.context
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every sequence is padded to this: 2*cp equal CP chunks, each split over TP under SP
+        (`megapkl.parallel.batching.pad_multiple`)."""
+        return 2 * self.context * (self.tensor if self.sequence_parallel else 1)
 
     def data_size(self, world_size: Optional[int]) -> Optional[int]:
         """The data-parallel size, or None while 'auto' and the world size is unknown."""

@@ -167,7 +167,9 @@ def _comm(groups: Any) -> _Comm:
         from megapkl.parallel.groups import ParallelGroups
 
         groups = ParallelGroups.from_megatron()
-    etp = ps.get_expert_tensor_parallel_group(check_initialized=False)
+    pgc = getattr(groups, "pg_collection", None)   # megatron's explicit groups when carried
+    etp = (pgc.expt_tp if pgc is not None
+           else ps.get_expert_tensor_parallel_group(check_initialized=False))
     return _Comm(groups.tp, etp, groups.ep, groups.pp)
 
 

@@ -18,6 +18,7 @@ Fused kernels: megatron picks TE's / apex's FusedAdam and multi-tensor kernels w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, List, Optional
 
@@ -73,7 +74,7 @@ def _as_list(chunks: Any) -> List[Any]:
 
 
 def wrap_ddp(chunks: Any, settings: OptimSettings = OptimSettings(), *,
-             broadcast: bool = True) -> List[Any]:
+             broadcast: bool = True, pg_collection: Any = None) -> List[Any]:
     """Wrap model chunks in megatron's DistributedDataParallel (fp32 gradient buffers).
 
     `broadcast` copies data-parallel rank 0's weights to the other replicas, so replicas agree
@@ -95,7 +96,7 @@ def wrap_ddp(chunks: Any, settings: OptimSettings = OptimSettings(), *,
             config=chunk.config, ddp_config=ddp_config, module=chunk,
             # megatron-LM: only the first chunk is bucketed, so later virtual stages'
             # reductions do not wait on buckets filled much later in the backward pass.
-            disable_bucketing=i > 0,
+            disable_bucketing=i > 0, pg_collection=pg_collection,
         )
         if broadcast:
             ddp.broadcast_params()
@@ -103,7 +104,8 @@ def wrap_ddp(chunks: Any, settings: OptimSettings = OptimSettings(), *,
     return wrapped
 
 
-def build_optimizer(ddp_chunks: Any, settings: OptimSettings = OptimSettings()):
+def build_optimizer(ddp_chunks: Any, settings: OptimSettings = OptimSettings(),
+                    pg_collection: Any = None):
     """megatron's optimizer (chained dense + expert parts for MoE) for DDP-wrapped chunks."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -124,7 +126,10 @@ def build_optimizer(ddp_chunks: Any, settings: OptimSettings = OptimSettings()):
         main_params_dtype=torch.float32,
         use_distributed_optimizer=settings.distributed_optimizer,
     )
-    return get_megatron_optimizer(config, chunks)
+    # megatron refuses its extra gloo groups with explicit groups (they only serve its legacy
+    # CPU-side optimizer-state gather; checkpoints go through dist_checkpointing).
+    return get_megatron_optimizer(config, chunks, pg_collection=pg_collection,
+                                  use_gloo_process_groups=pg_collection is None)
 
 
 def build_scheduler(optimizer: Any, settings: OptimSettings = OptimSettings()):
@@ -169,7 +174,7 @@ def lr_at(settings: OptimSettings, step: int) -> float:
     return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * done))
 
 
-def attach_to_config(ddp_chunks: Any, optimizer: Any) -> None:
+def attach_to_config(ddp_chunks: Any, optimizer: Any, pg_collection: Any = None) -> None:
     """Give megatron's pipeline schedules the DDP/optimizer hooks (as megatron-LM's train does)."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -177,7 +182,9 @@ def attach_to_config(ddp_chunks: Any, optimizer: Any) -> None:
     config = chunks[0].config
     no_sync = [c.no_sync for c in chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = (finalize_model_grads if pg_collection is None else
+                                        functools.partial(finalize_model_grads,
+                                                          pg_collection=pg_collection))
     config.grad_scale_func = optimizer.scale_loss
     if any(c.ddp_config.overlap_grad_reduce for c in chunks):
         sync = [c.start_grad_sync for c in chunks]

@@ -52,6 +52,7 @@ class ModelOptions:
     # megatron's per-token-loss semantics: the RL loss returns (N * loss, tokens) per micro-batch and
     # megatron divides by the summed token count (megapkl.parallel.megatron_loss explains why).
     per_token_loss: bool = False
+    packed_sequences: bool = False  # THD micro-batches (parallel.packing: thd) reach the attention
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +69,7 @@ def options_from_config(model_cfg: Any, parallel_cfg: Any) -> ModelOptions:
         sequence_parallel=parallel_cfg.sequence_parallel,
         routing_replay=model_cfg.routing_replay,
         recompute=model_cfg.recompute,
+        packed_sequences=parallel_cfg.packing == "thd",
         virtual_pipeline=parallel_cfg.virtual_pipeline,
     )
 
@@ -206,8 +208,15 @@ class ParallelSizes:
     pp_rank: int = 0
 
 
-def sizes_from_megatron() -> ParallelSizes:
-    """The layout megatron's parallel_state was initialised with."""
+def sizes_from_megatron(pg_collection: Any = None) -> ParallelSizes:
+    """The layout of megatron's `ProcessGroupCollection` (`ParallelGroups.pg_collection`), or
+    of its parallel_state when none is given."""
+    if pg_collection is not None:
+        import torch.distributed as dist
+
+        pgc, n = pg_collection, dist.get_world_size
+        return ParallelSizes(tp=n(pgc.tp), pp=n(pgc.pp), ep=n(pgc.ep), etp=n(pgc.expt_tp),
+                             cp=n(pgc.cp), pp_rank=dist.get_rank(pgc.pp))
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -352,9 +361,11 @@ def _replace_norms(spec: Any, old: type, new: type) -> Any:
     return spec
 
 
-def layer_spec(spec: ModelSpec, config: Any, use_te: bool, attention: Optional[str] = None):
+def layer_spec(spec: ModelSpec, config: Any, use_te: bool, attention: Optional[str] = None,
+               packed: bool = False):
     """The transformer-layer ModuleSpec (TE or local) for one decoder layer; `attention` is
-    `KernelPlan.attention` ("sdpa": torch SDPA core attention in the local spec)."""
+    `KernelPlan.attention` ("sdpa": torch SDPA core attention in the local spec); `packed`: THD
+    rows (the local path then needs the project's block-diagonal attention)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     num_experts = spec.num_experts if spec.is_moe else None
@@ -372,23 +383,24 @@ def layer_spec(spec: ModelSpec, config: Any, use_te: bool, attention: Optional[s
         from megapkl.parallel.cp_attention import replace_core_attention
 
         local = replace_core_attention(local, SDPAttention)
-    elif config.context_parallel_size > 1:
-        # megatron's local attention refuses CP; ours all-gathers K/V over the CP group (CPU path).
-        from megapkl.parallel.cp_attention import replace_core_attention
+        return _replace_norms(local, WrappedTorchNorm, QwenRMSNorm)
+    # megatron's local attention refuses CP and packed (THD) sequences; ours all-gathers K/V
+    # over the CP group and is block-diagonal causal on packed rows (CPU path).
+    from megapkl.parallel.cp_attention import local_spec_attention
 
-        local = replace_core_attention(local)
+    local = local_spec_attention(local, cp_size=config.context_parallel_size, packed=packed)
     return _replace_norms(local, WrappedTorchNorm, QwenRMSNorm)
 
 
 def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[int],
-               pp_rank: int, attention: Optional[str] = None):
+               pp_rank: int, attention: Optional[str] = None, packed: bool = False):
     """Decoder block spec: the layer spec repeated for this stage, plus the final norm."""
     if use_te:
         return layer_spec(spec, config, use_te)  # the block picks TE's norm for the final layer
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
 
-    layer = layer_spec(spec, config, use_te, attention)
+    layer = layer_spec(spec, config, use_te, attention, packed)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
@@ -398,7 +410,7 @@ def block_spec(spec: ModelSpec, config: Any, use_te: bool, vp_stage: Optional[in
 
 def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
                 vp_stage: Optional[int] = None, config: Any = None,
-                plan: Optional[KernelPlan] = None):
+                plan: Optional[KernelPlan] = None, pg_collection: Any = None):
     """One megatron `GPTModel` chunk for this rank's pipeline stage (and virtual stage).
 
     Weights are megatron's random init (seeded by `init_parallel(seed=...)`); load a
@@ -408,7 +420,7 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
-    sizes = sizes_from_megatron()
+    sizes = sizes_from_megatron(pg_collection)
     plan = plan or plan_for(opts, sizes.cp)
     config = config or transformer_config(spec, opts, sizes, plan)
     vpp = opts.virtual_pipeline
@@ -417,7 +429,7 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(spec, config, plan.use_te, vp_stage, sizes.pp_rank,
-                                          plan.attention),
+                                          plan.attention, opts.packed_sequences),
         vocab_size=spec.padded_vocab_size(sizes.tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=first,
@@ -428,18 +440,21 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     model.megapkl_spec = spec  # the HF mapping and exporters read it back from the model
     return model
 
 
-def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions()) -> List[Any]:
-    """All model chunks of this rank: one, or `virtual_pipeline` for an interleaved pipeline."""
-    sizes = sizes_from_megatron()
+def build_model_chunks(spec: ModelSpec, opts: ModelOptions = ModelOptions(),
+                       pg_collection: Any = None) -> List[Any]:
+    """All model chunks of this rank: one, or `virtual_pipeline` for an interleaved pipeline.
+    `pg_collection` (`ParallelGroups.pg_collection`): megatron's explicit process groups."""
+    sizes = sizes_from_megatron(pg_collection)
     config = transformer_config(spec, opts, sizes)
     if opts.virtual_pipeline is None:
-        return [build_model(spec, opts, config=config)]
-    return [build_model(spec, opts, vp_stage=i, config=config)
+        return [build_model(spec, opts, config=config, pg_collection=pg_collection)]
+    return [build_model(spec, opts, vp_stage=i, config=config, pg_collection=pg_collection)
             for i in range(opts.virtual_pipeline)]
 
 

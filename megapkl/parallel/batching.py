@@ -1,6 +1,11 @@
-"""Responses -> megatron micro-batches -> context-parallel shards -> `TokenBatch` of action tokens.
+"""The training data path: the engine's Samples -> `MicroBatch` (the one packed representation,
+built once per minibatch, moved to the device once) -> context-parallel shards -> the loss's
+`TokenBatch` view of the local action tokens.
 
-One row per response (prompt + response, right-padded), so every row starts at position 0 and
+Micro-batches hold a fixed number of responses (`parallel.micro_batch_size`) or a token budget
+(`parallel.max_tokens_per_micro_batch`, first-fit decreasing: `plan_by_tokens`).
+
+Layout "bshd": one row per response (prompt + response, right-padded), so every row starts at position 0 and
 megatron's RoPE and causal masking need no packing metadata:
 
     tokens     [b, S]  prompt ids, response ids, then `pad_id`
@@ -27,46 +32,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from megapkl.objectives.batch import TokenBatch
 
-# Per-action-token detached fields carried from the rollout: name -> trailing dims (K for top-K).
-TOKEN_FIELDS = ("logp_behav", "logp_prox", "logp_init", "topk_ids", "topk_logp_behav")
+# Per-action-token detached fields of a micro-batch: name -> the Sample attribute it is read from.
+SAMPLE_FIELDS = {"logp_behav": "logp_behav", "logp_prox": "logp_prox", "logp_init": "logp_init",
+                 "topk_ids": "topk_ids", "topk_logp_behav": "topk_logp"}
+TOKEN_FIELDS = tuple(SAMPLE_FIELDS)
 
 
-@dataclass
-class Response:
-    """One sampled response and what the rollout logged for it (per response token, [T] / [T, K])."""
+class PackableSample(Protocol):
+    """What packing reads from a response: `megapkl.rollout.sample.Sample` (the engine's type,
+    with `advantage` set by the rollout stage and `logp_prox`/`logp_init` by the trainer)."""
 
+    uid: int
+    group_id: int
     prompt_ids: Tensor
     response_ids: Tensor
     logp_behav: Tensor
-    advantage: float
-    group: int
-    uid: int
-    logp_prox: Optional[Tensor] = None
-    logp_init: Optional[Tensor] = None
-    topk_ids: Optional[Tensor] = None
-    topk_logp_behav: Optional[Tensor] = None
-    # MoE routing replay (R3): the engine's experts, rows = prompt + response - 1 tokens (each
-    # token whose successor was predicted), [rows, num_moe_layers, top_k] (SGLang's layout).
-    routed_experts: Optional[Tensor] = None
-
-    @property
-    def num_actions(self) -> int:
-        return int(self.response_ids.numel())
+    advantage: Optional[float]
+    logp_prox: Optional[Tensor]
+    logp_init: Optional[Tensor]
+    topk_ids: Optional[Tensor]
+    topk_logp: Optional[Tensor]
+    routed_experts: Optional[Tensor]
 
 
 @dataclass
 class MicroBatch:
-    """Megatron inputs of one micro-batch (full sequence, or one CP rank's shard of it).
+    """Megatron inputs of one micro-batch (full sequence, or one CP rank's shard of it): the one
+    packed representation between the engine's Samples and the loss's `TokenBatch` view.
 
     Rows >= `num_responses` are padding rows (no action tokens), used to give every micro-batch
-    of a pipeline-parallel step the same [b, S].
+    of a pipeline-parallel step (or of every DP rank under the MoE all-gather dispatcher) the
+    same [b, S].
     """
 
     tokens: Tensor
@@ -105,104 +108,127 @@ class MicroBatch:
         """Action tokens in this (shard of the) micro-batch."""
         return int(self.loss_mask.sum())
 
+    def to(self, device) -> "MicroBatch":
+        """Every tensor on `device` (the one place batches move to the GPU: `Learner.pack`)."""
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        out = {f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, fields={k: mv(v) for k, v in self.fields.items()}, **out)
+
 
 def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
     """Sequence length granularity: 2*cp equal CP chunks, each split over TP under SP."""
     return 2 * cp_size * (tp_size if sequence_parallel else 1)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pack(responses: Sequence[Response], multiple: int, *, seq_length: Optional[int] = None,
-         rows: Optional[int] = None, pad_id: int = 0) -> MicroBatch:
-    """Right-padded [rows, S] megatron inputs of `responses`, labels shifted on the full sequence.
+def seq_len(s: PackableSample) -> int:
+    """prompt + response tokens of one sample."""
+    return int(s.prompt_ids.numel() + s.response_ids.numel())
 
-    S = `seq_length` if given (must fit and be a multiple of `multiple`), else the longest
-    prompt + response rounded up to `multiple`. `rows` >= len(responses) adds padding rows.
-    """
-    if not responses:
-        raise ValueError("pack: no responses")
-    b = len(responses) if rows is None else rows
-    if b < len(responses):
-        raise ValueError(f"pack: rows={rows} < {len(responses)} responses")
-    longest = max(r.prompt_ids.numel() + r.response_ids.numel() for r in responses)
-    s = _round_up(longest, multiple) if seq_length is None else seq_length
-    if s < longest or s % multiple:
-        raise ValueError(f"pack: seq_length {s} must be >= {longest} and a multiple of {multiple}")
-    tokens = torch.full((b, s), pad_id, dtype=torch.int64)
-    loss_mask = torch.zeros(b, s, dtype=torch.bool)
-    action_pos = torch.zeros(b, s, dtype=torch.int64)
-    fields = _empty_fields(responses[0], b, s)
-    for i, r in enumerate(responses):
-        p, t = r.prompt_ids.numel(), r.response_ids.numel()
+
+# ----------------------------------------------------------------------------- packing
+
+def check_samples(samples: Sequence[PackableSample], who: str) -> None:
+    """The validation `pack` and `pack_thd` share: non-empty prompts and responses, an
+    advantage, one row per action token in every carried field, consistent R3 routing."""
+    if not samples:
+        raise ValueError(f"{who}: no samples")
+    first = samples[0]
+    for s in samples:
+        p, t = s.prompt_ids.numel(), s.response_ids.numel()
         if p < 1:
-            raise ValueError(f"pack: response uid={r.uid} has an empty prompt; the first action "
+            raise ValueError(f"{who}: sample uid={s.uid} has an empty prompt; the first action "
                              "token needs a preceding token to be predicted from")
         if t < 1:
-            raise ValueError(f"pack: response uid={r.uid} has no action tokens")
-        tokens[i, :p] = r.prompt_ids
-        tokens[i, p:p + t] = r.response_ids
-        at = slice(p - 1, p - 1 + t)          # label positions of the action tokens
-        loss_mask[i, at] = True
-        action_pos[i, at] = torch.arange(1, t + 1)
-        for name, buf in fields.items():
-            value = getattr(r, name)
-            if value is None or value.shape[0] != t:
-                raise ValueError(f"pack: response uid={r.uid}: {name} must have {t} rows "
-                                 f"(one per action token), got "
+            raise ValueError(f"{who}: sample uid={s.uid} has no action tokens")
+        if getattr(s, "advantage", None) is None:
+            raise ValueError(f"{who}: sample uid={s.uid} has no advantage (set by the rollout stage)")
+        for name, attr in SAMPLE_FIELDS.items():
+            value, ref = getattr(s, attr, None), getattr(first, attr, None)
+            if (ref is None) != (value is None) or (value is not None and value.shape[0] != t):
+                raise ValueError(f"{who}: sample uid={s.uid}: {name} must have {t} rows (one per "
+                                 f"action token) like every sample of the batch, got "
                                  f"{None if value is None else list(value.shape)}")
-            buf[i, at] = value.to(buf.dtype)
-    labels = torch.zeros_like(tokens)
-    labels[:, :-1] = tokens[:, 1:]            # the shift, on the full sequence
+        _check_routed(s, first, who)
+
+
+def _check_routed(s: PackableSample, first: PackableSample, who: str) -> None:
+    if first.routed_experts is None and s.routed_experts is None:
+        return
+    rows = seq_len(s) - 1
+    want = (rows, *first.routed_experts.shape[1:]) if first.routed_experts is not None else None
+    if want is None or s.routed_experts is None or tuple(s.routed_experts.shape) != want:
+        raise ValueError(f"{who}: sample uid={s.uid}: routed_experts must be [{rows}, layers, k] "
+                         "(prompt + response - 1 rows) on every sample, got "
+                         f"{None if s.routed_experts is None else list(s.routed_experts.shape)}")
+
+
+def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Sequence[int],
+          b: int, s: int, pad_id: int) -> dict[str, Any]:
+    """Place every sample at (row, offset) of [b, S] buffers; labels shifted per sequence."""
+    tokens = torch.full((b, s), pad_id, dtype=torch.int64)
+    labels = torch.zeros(b, s, dtype=torch.int64)
+    loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    action_pos = torch.zeros(b, s, dtype=torch.int64)
+    first = samples[0]
+    fields = {name: torch.zeros((b, s, *getattr(first, attr).shape[1:]),
+                                dtype=getattr(first, attr).dtype)
+              for name, attr in SAMPLE_FIELDS.items() if getattr(first, attr) is not None}
+    routed = None
+    if first.routed_experts is not None:
+        layers, k = first.routed_experts.shape[1:]
+        # Rows the engine did not report (each sequence's last token, padding) route to experts
+        # 0..k-1: their outputs feed no loss term (causal attention keeps them out of earlier tokens).
+        routed = torch.arange(k, dtype=torch.int64).expand(b, s, layers, k).clone()
+    for i, (smp, row, o) in enumerate(zip(samples, rows, offsets)):
+        p, t = smp.prompt_ids.numel(), smp.response_ids.numel()
+        seq = torch.cat([smp.prompt_ids, smp.response_ids]).to(torch.int64)
+        tokens[row, o:o + p + t] = seq
+        labels[row, o:o + p + t - 1] = seq[1:]     # the shift, within this sequence only
+        at = slice(o + p - 1, o + p - 1 + t)       # label positions of the action tokens
+        loss_mask[row, at] = True
+        action_pos[row, at] = torch.arange(1, t + 1)
+        for name, buf in fields.items():
+            buf[row, at] = getattr(smp, SAMPLE_FIELDS[name]).to(buf.dtype)
+        if routed is not None:
+            routed[row, o:o + p + t - 1] = smp.routed_experts.to(torch.int64)
     labels = torch.where(loss_mask, labels, torch.zeros_like(labels))
-    m = len(responses)
-    pad = b - m
+    m = len(samples)
+    pad = max(b - m, 0)   # BSHD padding rows; a THD row holds all m responses
     per_resp = lambda vals, dtype: torch.cat([torch.tensor(vals, dtype=dtype),  # noqa: E731
                                              torch.zeros(pad, dtype=dtype)])
-    return MicroBatch(
-        tokens=tokens, position_ids=torch.arange(s).expand(b, s).clone(), labels=labels,
-        loss_mask=loss_mask, action_pos=action_pos, routed=_routed(responses, b, s),
-        lengths=per_resp([r.num_actions for r in responses], torch.int64),
-        advantages=per_resp([float(r.advantage) for r in responses], responses[0].logp_behav.dtype),
-        group=per_resp([int(r.group) for r in responses], torch.int64),
-        uid=per_resp([int(r.uid) for r in responses], torch.int64),
-        num_responses=m, seq_length=s, fields=fields)
+    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, action_pos=action_pos,
+                fields=fields, routed=routed, num_responses=m,
+                lengths=per_resp([int(x.response_ids.numel()) for x in samples], torch.int64),
+                advantages=per_resp([float(x.advantage) for x in samples], torch.float32),
+                group=per_resp([int(x.group_id) for x in samples], torch.int64),
+                uid=per_resp([int(x.uid) for x in samples], torch.int64))
 
 
-def _routed(responses: Sequence[Response], b: int, s: int) -> Optional[Tensor]:
-    """[b, S, L, k] replay targets, or None when the responses carry no routed experts.
+def pack(samples: Sequence[PackableSample], multiple: int, *, seq_length: Optional[int] = None,
+         rows: Optional[int] = None, pad_id: int = 0) -> MicroBatch:
+    """Right-padded [rows, S] megatron inputs of `samples`, labels shifted on the full sequence.
 
-    Rows the engine did not report (each sequence's last token, padding) route to experts
-    0..k-1: their outputs feed no loss term (causal attention keeps them out of earlier tokens).
+    S = `seq_length` if given (must fit and be a multiple of `multiple`), else the longest
+    prompt + response rounded up to `multiple`. `rows` >= len(samples) adds padding rows.
     """
-    first = responses[0].routed_experts
-    if first is None:
-        return None
-    layers, k = first.shape[1:]
-    out = torch.arange(k, dtype=torch.int64).expand(b, s, layers, k).clone()
-    for i, r in enumerate(responses):
-        rows = r.prompt_ids.numel() + r.response_ids.numel() - 1
-        if r.routed_experts is None or tuple(r.routed_experts.shape) != (rows, layers, k):
-            raise ValueError(f"pack: response uid={r.uid}: routed_experts must be [{rows}, {layers}, "
-                             f"{k}] (prompt + response - 1 rows), got "
-                             f"{None if r.routed_experts is None else list(r.routed_experts.shape)}")
-        out[i, :rows] = r.routed_experts.to(torch.int64)
-    return out
+    check_samples(samples, "pack")
+    b = len(samples) if rows is None else rows
+    if b < len(samples):
+        raise ValueError(f"pack: rows={rows} < {len(samples)} samples")
+    longest = max(seq_len(x) for x in samples)
+    s = round_up(longest, multiple) if seq_length is None else seq_length
+    if s < longest or s % multiple:
+        raise ValueError(f"pack: seq_length {s} must be >= {longest} and a multiple of {multiple}")
+    parts = _fill(samples, range(len(samples)), [0] * len(samples), b, s, pad_id)
+    return MicroBatch(position_ids=torch.arange(s).expand(b, s).clone(), seq_length=s, **parts)
 
 
-def _empty_fields(first: Response, b: int, s: int) -> dict[str, Tensor]:
-    """Zero [b, S(, K)] buffers for the fields the responses carry (decided by the first one)."""
-    out = {}
-    for name in TOKEN_FIELDS:
-        value = getattr(first, name)
-        if value is not None:
-            out[name] = torch.zeros((b, s, *value.shape[1:]), dtype=value.dtype)
-    return out
-
-
-def split_responses(responses: Sequence[Response], num_micro: int) -> list[list[Response]]:
+def split_responses(responses: Sequence, num_micro: int) -> list[list]:
     """Contiguous, near-equal split into `num_micro` micro-batches (the first get the extra)."""
     if not 1 <= num_micro <= len(responses):
         raise ValueError(f"split_responses: cannot split {len(responses)} responses into {num_micro}")
@@ -215,28 +241,41 @@ def split_responses(responses: Sequence[Response], num_micro: int) -> list[list[
     return out
 
 
-def make_micro_batches(responses: Sequence[Response], num_micro: int, multiple: int, *,
-                       same_shape: bool = False, pad_id: int = 0,
-                       layout: str = "bshd") -> list[MicroBatch]:
-    """Split and pack. `same_shape=True` pads every micro-batch to one [b, S] (pipeline
-    parallelism sends activations of a fixed shape between stages).
+def make_micro_batches(samples: Sequence[PackableSample], parts: Union[int, Sequence[Sequence[int]]],
+                       multiple: int, *, same_shape: bool = False, shape: Optional[tuple[int, int]] = None,
+                       pad_id: int = 0, layout: str = "bshd") -> list[MicroBatch]:
+    """Pack `samples` into micro-batches. `parts` is a number of contiguous near-equal
+    micro-batches or an explicit plan (lists of sample indices, e.g. `plan_by_tokens`).
+    `same_shape=True` pads every micro-batch to one [b, S] (pipeline parallelism sends
+    activations of a fixed shape between stages); `shape` = (rows, S) pads to a given larger
+    shape (agreed across ranks, `micro_batch_shape`).
 
     layout="bshd" (default): one response per row (`pack`). layout="thd": each micro-batch is
     one packed row with cu_seqlens (`pack_thd`); `multiple` is then the per-sequence padding
     (`pad_multiple(cp, tp, sp)`), and `same_shape` pads every row to one total length."""
-    parts = split_responses(responses, num_micro)
-    if layout == "thd":
-        if not same_shape:
-            return [pack_thd(p, multiple, pad_id=pad_id) for p in parts]
-        total = max(thd_length(p, multiple) for p in parts)
-        return [pack_thd(p, multiple, total_length=total, pad_id=pad_id) for p in parts]
-    if layout != "bshd":
+    if layout not in ("bshd", "thd"):
         raise ValueError(f"make_micro_batches: layout must be 'bshd' or 'thd', got {layout!r}")
-    if not same_shape:
-        return [pack(p, multiple, pad_id=pad_id) for p in parts]
-    longest = max(r.prompt_ids.numel() + r.response_ids.numel() for r in responses)
-    s, rows = _round_up(longest, multiple), max(len(p) for p in parts)
-    return [pack(p, multiple, seq_length=s, rows=rows, pad_id=pad_id) for p in parts]
+    if isinstance(parts, int):
+        groups = split_responses(samples, parts)
+    else:
+        groups = [[samples[i] for i in part] for part in parts]
+    if shape is None and same_shape:
+        shape = micro_batch_shape(groups, multiple, layout)
+    if layout == "thd":
+        return [pack_thd(p, multiple, total_length=None if shape is None else shape[1], pad_id=pad_id)
+                for p in groups]
+    if shape is None:
+        return [pack(p, multiple, pad_id=pad_id) for p in groups]
+    return [pack(p, multiple, seq_length=shape[1], rows=shape[0], pad_id=pad_id) for p in groups]
+
+
+def micro_batch_shape(groups: Sequence[Sequence[PackableSample]], multiple: int,
+                      layout: str) -> tuple[int, int]:
+    """(rows, S) that holds every micro-batch of `groups` in `layout`."""
+    if layout == "thd":
+        return 1, max(thd_length(p, multiple) for p in groups)
+    longest = max(seq_len(x) for p in groups for x in p)
+    return max(len(p) for p in groups), round_up(longest, multiple)
 
 
 # ----------------------------------------------------------------------------- context parallel
@@ -306,6 +345,9 @@ def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = N
     rows = action_rows(mb)
     m = mb.num_responses
     f = {k: v[mask] for k, v in mb.fields.items()}
+    # The loss runs in fp32 (or fp64) whatever the model's dtype: bf16 log-probs are upcast
+    # (the vocab-parallel op already returns fp32 from bf16 logits).
+    logp, topk_logp, entropy = _fp32(logp), _fp32(topk_logp), _fp32(entropy)
     dtype = logp.dtype
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return TokenBatch(
@@ -315,6 +357,10 @@ def token_batch(mb: MicroBatch, logp: Tensor, *, topk_logp: Optional[Tensor] = N
         token_ids=mb.labels[mask], topk_ids=f.get("topk_ids"),
         topk_logp_behav=cast(f.get("topk_logp_behav")), topk_logp=topk_logp,
         response_uid=mb.uid[:m], step=step, entropy=entropy)
+
+
+def _fp32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def response_lengths(mb: MicroBatch) -> Tensor:
@@ -340,47 +386,39 @@ def response_lengths(mb: MicroBatch) -> Tensor:
 # `PackedSeqParams(qkv_format="thd", ...)` (`thd_packed_seq_params`); the attention is causal
 # within a segment and never crosses segments (`megapkl.parallel.cp_attention`).
 
-def thd_length(responses: Sequence[Response], multiple: int) -> int:
-    """Packed row length of `responses` (each prompt + response rounded up to `multiple`)."""
-    return sum(_round_up(r.prompt_ids.numel() + r.response_ids.numel(), multiple) for r in responses)
+def thd_length(samples: Sequence[PackableSample], multiple: int) -> int:
+    """Packed row length of `samples` (each prompt + response rounded up to `multiple`)."""
+    return sum(round_up(seq_len(x), multiple) for x in samples)
 
 
 def thd_cp_index(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
     """[S / cp] positions in the full packed row held by `cp_rank`: chunks r and 2cp-1-r of each
     segment (TE's `thd_get_partitioned_indices` layout), in local order."""
     bounds = [int(x) for x in cu_seqlens_padded.tolist()]
+    dev = cu_seqlens_padded.device
     if cp_size == 1:
-        return torch.arange(bounds[-1], dtype=torch.int64)
+        return torch.arange(bounds[-1], dtype=torch.int64, device=dev)
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         if (b - a) % (2 * cp_size):
             raise ValueError(f"thd_cp_index: segment [{a}, {b}) is not a multiple of 2*cp = {2 * cp_size}")
         c = (b - a) // (2 * cp_size)
         for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            out.append(torch.arange(a + k * c, a + (k + 1) * c, dtype=torch.int64))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+            out.append(torch.arange(a + k * c, a + (k + 1) * c, dtype=torch.int64, device=dev))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=dev)
 
 
-def pack_thd(responses: Sequence[Response], multiple: int, *, total_length: Optional[int] = None,
+def pack_thd(samples: Sequence[PackableSample], multiple: int, *, total_length: Optional[int] = None,
              pad_id: int = 0) -> MicroBatch:
-    """One packed [1, S] row of `responses` with cu_seqlens (THD), labels shifted per sequence.
+    """One packed [1, S] row of `samples` with cu_seqlens (THD), labels shifted per sequence.
 
     Each prompt + response is padded to a multiple of `multiple` (`pad_multiple(cp, tp, sp)`).
     `total_length` (a multiple of `multiple`, >= the packed length) appends one padding segment
     so that every micro-batch of a pipeline-parallel step has the same S.
     """
-    if not responses:
-        raise ValueError("pack_thd: no responses")
-    lens, padded = [], []
-    for r in responses:
-        p, t = r.prompt_ids.numel(), r.response_ids.numel()
-        if p < 1:
-            raise ValueError(f"pack_thd: response uid={r.uid} has an empty prompt; the first action "
-                             "token needs a preceding token to be predicted from")
-        if t < 1:
-            raise ValueError(f"pack_thd: response uid={r.uid} has no action tokens")
-        lens.append(p + t)
-        padded.append(_round_up(p + t, multiple))
+    check_samples(samples, "pack_thd")
+    lens = [seq_len(x) for x in samples]
+    padded = [round_up(n, multiple) for n in lens]
     s = sum(padded)
     if total_length is not None:
         if total_length < s or total_length % multiple:
@@ -390,67 +428,23 @@ def pack_thd(responses: Sequence[Response], multiple: int, *, total_length: Opti
             lens.append(0)
             padded.append(total_length - s)
             s = total_length
-    tokens = torch.full((1, s), pad_id, dtype=torch.int64)
-    labels = torch.zeros(1, s, dtype=torch.int64)
-    position_ids = torch.zeros(1, s, dtype=torch.int64)
-    segment = torch.full((1, s), -1, dtype=torch.int64)
-    loss_mask = torch.zeros(1, s, dtype=torch.bool)
-    action_pos = torch.zeros(1, s, dtype=torch.int64)
-    fields = _empty_fields(responses[0], 1, s)
     starts = [0]
     for n in padded:
         starts.append(starts[-1] + n)
-    for start, n in zip(starts[:-1], padded):
+    parts = _fill(samples, [0] * len(samples), starts[:-1], 1, s, pad_id)
+    position_ids = torch.zeros(1, s, dtype=torch.int64)
+    segment = torch.full((1, s), -1, dtype=torch.int64)
+    for i, (start, n) in enumerate(zip(starts[:-1], padded)):
         position_ids[0, start:start + n] = torch.arange(n)
-    for i, r in enumerate(responses):
-        o, p, t = starts[i], r.prompt_ids.numel(), r.response_ids.numel()
-        seq = torch.cat([r.prompt_ids, r.response_ids]).to(torch.int64)
-        tokens[0, o:o + p + t] = seq
-        segment[0, o:o + padded[i]] = i
-        at = slice(o + p - 1, o + p - 1 + t)   # label positions of the action tokens
-        labels[0, o:o + p + t - 1] = seq[1:]   # the shift, within this sequence only
-        loss_mask[0, at] = True
-        action_pos[0, at] = torch.arange(1, t + 1)
-        for name, buf in fields.items():
-            value = getattr(r, name)
-            if value is None or value.shape[0] != t:
-                raise ValueError(f"pack_thd: response uid={r.uid}: {name} must have {t} rows "
-                                 f"(one per action token), got "
-                                 f"{None if value is None else list(value.shape)}")
-            buf[0, at] = value.to(buf.dtype)
-    labels = torch.where(loss_mask, labels, torch.zeros_like(labels))
-    cu_padded = torch.tensor(starts, dtype=torch.int32)
+        if i < len(samples):
+            segment[0, start:start + n] = i
     # cu_seqlens in TE's padded convention: segment i's real tokens are [cu_padded[i],
     # cu_padded[i] + (cu[i+1] - cu[i])), i.e. the unpadded lengths' cumulative sum.
     real = torch.tensor(lens, dtype=torch.int32)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(real, 0).to(torch.int32)])
-    return MicroBatch(
-        tokens=tokens, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
-        action_pos=action_pos, routed=_routed_thd(responses, starts, s),
-        lengths=torch.tensor([r.num_actions for r in responses], dtype=torch.int64),
-        advantages=torch.tensor([float(r.advantage) for r in responses],
-                                dtype=responses[0].logp_behav.dtype),
-        group=torch.tensor([int(r.group) for r in responses], dtype=torch.int64),
-        uid=torch.tensor([int(r.uid) for r in responses], dtype=torch.int64),
-        num_responses=len(responses), seq_length=s, fields=fields,
-        cu_seqlens=cu, cu_seqlens_padded=cu_padded, segment=segment)
-
-
-def _routed_thd(responses: Sequence[Response], starts: Sequence[int], s: int) -> Optional[Tensor]:
-    """[1, S, L, k] replay targets of a packed row (see `_routed`), or None."""
-    first = responses[0].routed_experts
-    if first is None:
-        return None
-    layers, k = first.shape[1:]
-    out = torch.arange(k, dtype=torch.int64).expand(1, s, layers, k).clone()
-    for i, r in enumerate(responses):
-        rows = r.prompt_ids.numel() + r.response_ids.numel() - 1
-        if r.routed_experts is None or tuple(r.routed_experts.shape) != (rows, layers, k):
-            raise ValueError(f"pack_thd: response uid={r.uid}: routed_experts must be [{rows}, "
-                             f"{layers}, {k}] (prompt + response - 1 rows), got "
-                             f"{None if r.routed_experts is None else list(r.routed_experts.shape)}")
-        out[0, starts[i]:starts[i] + rows] = r.routed_experts.to(torch.int64)
-    return out
+    return MicroBatch(position_ids=position_ids, seq_length=s, cu_seqlens=cu,
+                      cu_seqlens_padded=torch.tensor(starts, dtype=torch.int32), segment=segment,
+                      **parts)
 
 
 def _shard_thd(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:

@@ -299,6 +299,13 @@ def replace_core_attention(spec, attention_cls=CPDotProductAttention):
     return spec
 
 
+def local_spec_attention(spec, *, cp_size: int, packed: bool):
+    """The local spec with the core attention this layout needs: megatron's DotProductAttention
+    refuses CP > 1 and packed (THD) sequences, `CPDotProductAttention` takes both (and is
+    megatron's math otherwise). Used by the model provider and the partition tests alike."""
+    return replace_core_attention(spec) if cp_size > 1 or packed else spec
+
+
 def gpt_layer_spec_with_cp_attention(**local_spec_kwargs):
     """megatron's `get_gpt_layer_local_spec(**kwargs)` with `CPDotProductAttention`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

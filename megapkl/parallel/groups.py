@@ -6,13 +6,22 @@ bundle (or a single group from it) as an argument, so the same function works fo
 layout, and in a single process with `ParallelGroups.single()` (all groups None, sizes 1).
 
 A group of None always means "no communication: this rank holds everything".
+
+`ParallelGroups.device` is where every tensor that enters a collective or the model lives:
+`cuda:LOCAL_RANK` under NCCL, the CPU under gloo (and for the single-process bundle). Code that
+allocates a tensor to reduce, gather or feed to the model takes the device from here.
+
+The megatron CPU compatibility layer (`megapkl.parallel.compat`) is not installed here: a CPU
+process installs it once at its entry point (`megapkl.train.loop.init_groups` for the trainer,
+the forked test harness for tests); `init_parallel` refuses to build megatron groups on a
+machine without CUDA when it is missing, instead of failing later inside megatron.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +73,10 @@ class ParallelGroups:
     dp_cp_size: int
     ep_rank: int
     ep_size: int
+    device: torch.device = torch.device("cpu")
+    # megatron's `ProcessGroupCollection` of the same layout (every group megatron-core's model,
+    # DDP, optimizer and schedules take as an argument); None for the single-process bundle.
+    pg_collection: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -76,8 +89,9 @@ class ParallelGroups:
     @classmethod
     def from_groups(cls, *, world: ProcessGroup, tp: ProcessGroup, pp: ProcessGroup,
                     cp: ProcessGroup, dp: ProcessGroup, dp_cp: ProcessGroup,
-                    ep: ProcessGroup) -> "ParallelGroups":
-        """Bundle explicit groups, reading each rank/size from the group itself."""
+                    ep: ProcessGroup, device: Optional[torch.device] = None) -> "ParallelGroups":
+        """Bundle explicit groups, reading each rank/size from the group itself. `device`
+        defaults to the one the default process group's backend needs (`process_device`)."""
         named = dict(tp=tp, pp=pp, cp=cp, dp=dp, dp_cp=dp_cp, ep=ep)
         coords = {}
         for name, group in named.items():
@@ -85,30 +99,64 @@ class ParallelGroups:
             coords[f"{name}_size"] = group_size(group)
         # world=None is the single-process bundle; otherwise ranks come from the default group.
         return cls(world=world, **named, rank=group_rank(world), world_size=group_size(world),
-                   **coords)
+                   device=process_device() if device is None else torch.device(device), **coords)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
         """Everything on this process: every group None, every size 1."""
         return cls.from_groups(world=None, tp=None, pp=None, cp=None, dp=None, dp_cp=None,
-                               ep=None)
+                               ep=None, device=torch.device("cpu"))
+
+    @classmethod
+    def from_collection(cls, pgc) -> "ParallelGroups":
+        """The bundle of megatron's `ProcessGroupCollection` (which it keeps for megatron)."""
+        bundle = cls.from_groups(world=dist.group.WORLD, tp=pgc.tp, pp=pgc.pp, cp=pgc.cp,
+                                 dp=pgc.dp, dp_cp=pgc.dp_cp, ep=pgc.ep)
+        return dataclasses.replace(bundle, pg_collection=pgc)
 
     @classmethod
     def from_megatron(cls) -> "ParallelGroups":
-        """Read the groups megatron-core created in `initialize_model_parallel`."""
+        """The groups megatron-core created in `initialize_model_parallel`, taken once here; the
+        trainer passes them on (model, DDP, optimizer, schedules, loss) instead of megatron
+        reading its `parallel_state` globals."""
         from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("megatron model parallel is not initialized")
-        return cls.from_groups(
-            world=dist.group.WORLD,
-            tp=ps.get_tensor_model_parallel_group(),
-            pp=ps.get_pipeline_model_parallel_group(),
-            cp=ps.get_context_parallel_group(),
-            dp=ps.get_data_parallel_group(with_context_parallel=False),
-            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-            ep=ps.get_expert_model_parallel_group(),
-        )
+        return cls.from_collection(ProcessGroupCollection.use_mpu_process_groups())
+
+
+def process_device() -> torch.device:
+    """The device collectives of this process use: cuda:LOCAL_RANK under NCCL, else the CPU."""
+    import os
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def group_device(group: ProcessGroup) -> torch.device:
+    """The device tensors must be on to cross `group` (NCCL: this process's GPU; gloo, None: CPU)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def replica_group(groups: ParallelGroups) -> ProcessGroup:
+    """The ranks that share this rank's data-parallel index (one model replica). Collective over
+    the world: every rank creates every replica's group (torch requires it)."""
+    world = dist.get_world_size()
+    mine = torch.tensor([groups.dp_rank], dtype=torch.int64, device=groups.device)
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine)
+    dp_of = [int(t) for t in table]
+    out = None
+    for d in range(groups.dp_size):
+        g = dist.new_group([r for r in range(world) if dp_of[r] == d])
+        if d == groups.dp_rank:
+            out = g
+    return out
 
 
 def init_parallel(
@@ -129,16 +177,15 @@ def init_parallel(
 ) -> ParallelGroups:
     """Initialize torch.distributed (if needed) and megatron model parallel; return the groups.
 
-    The data-parallel size is whatever is left: world_size / (tp * pp * cp). Without CUDA the
-    megatron CPU compatibility layer is installed first and the backend defaults to gloo
-    (nccl otherwise). `init_method`/`rank`/`world_size` default to torchrun's environment.
+    The data-parallel size is whatever is left: world_size / (tp * pp * cp). The backend
+    defaults to nccl with CUDA (the process then uses cuda:LOCAL_RANK) and to gloo without,
+    where the megatron CPU compatibility layer must already be installed (module docstring).
+    `init_method`/`rank`/`world_size` default to torchrun's environment.
     A previous megatron model-parallel state is destroyed, so this can be called again with
     another layout in the same process. `seed` seeds torch and megatron's RNG tracker
     (`model_parallel_cuda_manual_seed`), giving TP ranks distinct model-parallel streams.
     """
-    from megapkl.parallel import compat
-
-    compat.install()
+    _require_cpu_compat()
     if not dist.is_initialized():
         _init_process_group(backend, init_method, rank, world_size, timeout_minutes)
 
@@ -164,9 +211,23 @@ def init_parallel(
     return ParallelGroups.from_megatron()
 
 
+def _require_cpu_compat() -> None:
+    from megapkl.parallel import compat
+
+    if not torch.cuda.is_available() and not compat.is_installed():
+        raise RuntimeError(
+            "init_parallel: no CUDA device and the megatron CPU compatibility layer is not "
+            "installed; call megapkl.parallel.compat.install() at the process entry point "
+            "(megapkl.train.loop.init_groups does) before building megatron groups")
+
+
 def _init_process_group(backend, init_method, rank, world_size, timeout_minutes) -> None:
+    import os
+
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per process: collectives and the model use cuda:LOCAL_RANK
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs = {}
     if rank is not None:
         kwargs["rank"] = rank

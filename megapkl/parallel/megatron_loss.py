@@ -145,7 +145,12 @@ def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
     n = batch.num_tokens
     report = ShardReport(loss=out.loss.detach(), num_tokens=n, parts=out.parts, coef=out.coef,
                          uid=mb.uid.index_select(0, batch.response_index), positions=batch.positions)
-    return out.loss * spec.stats.num_tokens, torch.tensor(n, dtype=torch.int), report
+    return out.loss * spec.stats.num_tokens, _count(n, logits), report
+
+
+def _count(n: int, like: Tensor) -> Tensor:
+    """A token count for megatron's accumulator (an int tensor on the logits' device)."""
+    return torch.tensor(n, dtype=torch.int, device=like.device)
 
 
 def _forward(model, mb: MicroBatch, groups: Optional[ParallelGroups] = None) -> Tensor:
@@ -176,25 +181,31 @@ def make_forward_step(loss_func: Callable, groups: Optional[ParallelGroups] = No
 # ----------------------------------------------------------------------------- schedules
 
 def run_schedule(model, micro_batches: Sequence[MicroBatch], forward_step: Callable,
-                 forward_only: bool) -> list:
-    """megatron's forward-backward schedule over `micro_batches` (CP shards of this rank)."""
+                 forward_only: bool, groups: ParallelGroups) -> list:
+    """megatron's forward-backward schedule over `micro_batches` (CP shards of this rank), with
+    the explicit process groups of `groups` (its `pg_collection`; pipeline size from it too)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    pp, pgc = groups.pp_size, groups.pg_collection
+    kwargs = {} if pgc is None else {"pg_collection": pgc}
     shapes = {(mb.tokens.shape[0], mb.seq_length) for mb in micro_batches}
-    if len(shapes) > 1 and _pp_size() > 1:
+    if len(shapes) > 1 and pp > 1:
         raise ValueError(f"pipeline parallelism needs one [b, S] for every micro-batch, got {shapes}"
                          " (make_micro_batches(..., same_shape=True))")
     b, s = max(shapes)
-    return get_forward_backward_func()(
+    models = model if isinstance(model, list) else [model]
+    vp = len(models) if len(models) > 1 else None
+    if pgc is not None and pp > 1:   # pipeline schedules take the p2p channel with the groups
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pgc.pp,
+                                                     config=get_model_config(models[0]))
+    return get_forward_backward_func(pp_size=pp, vp_size=vp)(
         forward_step_func=forward_step, data_iterator=iter(micro_batches),
-        model=model if isinstance(model, list) else [model], num_microbatches=len(micro_batches),
-        seq_length=s, micro_batch_size=b, forward_only=forward_only)
+        model=models, num_microbatches=len(micro_batches),
+        seq_length=s, micro_batch_size=b, forward_only=forward_only, **kwargs)
 
-
-def _pp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_world_size()
 
 
 def forward_backward(spec: PolicyLossSpec, model, micro_batches: Sequence[MicroBatch]) -> list[ShardReport]:
@@ -206,7 +217,7 @@ def forward_backward(spec: PolicyLossSpec, model, micro_batches: Sequence[MicroB
     _check_per_token_config(model)
     return run_schedule(model, micro_batches,
                         make_forward_step(functools.partial(policy_loss_func, spec), spec.groups),
-                        forward_only=False)
+                        forward_only=False, groups=spec.groups)
 
 
 def _check_per_token_config(model) -> None:
@@ -236,11 +247,11 @@ def run_prepass(cfg: ObjectiveConfig, groups: ParallelGroups, model,
         ctx = shard_context(spec, mb, batch)
         ctx.response_table, ctx.m2_values, ctx.token_means = None, None, None
         table, m2 = shard_prepass(cfg, batch, ctx)
-        return torch.zeros(()), torch.tensor(0, dtype=torch.int), (table, m2)
+        return logits.new_zeros(()), _count(0, logits), (table, m2)
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
-                             forward_only=True)
+                             forward_only=True, groups=groups)
     if not store:
         return stats
     return gather_prepass(cfg, groups, store, stats)
@@ -271,11 +282,11 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
         rows = action_rows(mb)
         keyed = torch.stack([mb.uid.index_select(0, rows).to(torch.float64),
                              mb.action_pos[mb.loss_mask].to(torch.float64), lp.to(torch.float64)], 1)
-        return torch.zeros(()), torch.tensor(0, dtype=torch.int), keyed
+        return logits.new_zeros(()), _count(0, logits), keyed
 
     with torch.no_grad():
         store = run_schedule(model, micro_batches, make_forward_step(loss_func, groups),
-                             forward_only=True)
+                             forward_only=True, groups=groups)
     if not store:
         return {}
     rows = torch.cat(R.all_gather_varlen(torch.cat(store), groups.cp))
@@ -283,8 +294,28 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
     for uid in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == uid]
         mine = mine[torch.argsort(mine[:, 1])]
-        out[int(uid)] = mine[:, 2].to(torch.float32)
+        out[int(uid)] = mine[:, 2].to(device="cpu", dtype=torch.float32)
     return out
+
+
+def fill_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBatch], name: str,
+                  temperature: float = 1.0) -> None:
+    """Log-probs of every local action token under `model` (no grad) written into each
+    micro-batch's per-token field `name` (e.g. "logp_prox"), in place: the proximal / initial
+    log-probs for the same shards the training pass then uses. Only the last pipeline stage
+    computes (and needs) them."""
+    def loss_func(mb: MicroBatch, logits: Tensor):
+        lp = action_logprobs(mb, logits, groups, temperature).logp
+        buf = mb.fields.get(name)
+        if buf is None:
+            buf = mb.fields[name] = torch.zeros(mb.loss_mask.shape, dtype=torch.float32,
+                                                device=lp.device)
+        buf[mb.loss_mask] = lp.to(buf.dtype)
+        return logits.new_zeros(()), _count(0, logits), None
+
+    with torch.no_grad():
+        run_schedule(model, micro_batches, make_forward_step(loss_func, groups), forward_only=True,
+                     groups=groups)
 
 
 # ----------------------------------------------------------------------------- reports
@@ -302,8 +333,8 @@ def verify_token_count(reports: Sequence[ShardReport], stats: MinibatchStats,
                        groups: ParallelGroups) -> None:
     """Raise if megatron's divisor (sum of returned token counts) differs from stats.num_tokens,
     which would scale every gradient wrongly; cheap (one all-reduce), for tests and debugging."""
-    n = R.all_reduce_sum(torch.tensor([float(sum(r.num_tokens for r in reports))], dtype=torch.float64),
-                         groups.dp_cp)
+    n = R.all_reduce_sum(torch.tensor([float(sum(r.num_tokens for r in reports))], dtype=torch.float64,
+                                      device=groups.device), groups.dp_cp)
     if float(n) != stats.num_tokens:
         raise AssertionError(f"megatron divides by {float(n)} tokens, the loss assumed {stats.num_tokens}")
 

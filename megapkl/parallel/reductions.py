@@ -11,7 +11,9 @@ spans further. This module fills that context from explicit process groups:
   for M2PO's global mask, gathered once before the training pass;
 - metrics: sums, counts, maxima and minima all-reduced so that each token and response counts once.
 
-Only detached tensors cross ranks; gradients flow through the local log-probs alone.
+Only detached tensors cross ranks; gradients flow through the local log-probs alone. Tensors made
+here for a collective are allocated on the group's device (`group_device`: the GPU under NCCL) and
+results come back on the device of the inputs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from megapkl.config.objective import ObjectiveConfig
 from megapkl.objectives.context import LossContext, ResponseTable
 from megapkl.objectives.credit import future_kl_credit
 from megapkl.objectives.metrics import MetricParts
+from megapkl.parallel.groups import group_device
 
 
 def _size(group) -> int:
@@ -35,21 +38,33 @@ def all_gather_varlen(t: Tensor, group) -> list[Tensor]:
     """All-gather tensors whose first dimension differs per rank (pads to the longest, then trims)."""
     if _size(group) == 1:
         return [t]
-    n = torch.tensor([t.shape[0]], dtype=torch.int64)
+    dev = group_device(group)
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(_size(group))]
     dist.all_gather(sizes, n, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype)
+    counts = [int(s) for s in torch.stack(sizes).cpu()]   # one device sync
+    padded = torch.zeros((max(counts), *t.shape[1:]), dtype=t.dtype, device=dev)
     padded[: t.shape[0]] = t
-    out = [torch.empty_like(padded) for _ in sizes]
+    out = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(out, padded, group=group)
-    return [o[: int(s.item())] for o, s in zip(out, sizes)]
+    return [o[:c].to(t.device) for o, c in zip(out, counts)]
 
 
 def all_reduce_sum(t: Tensor, group) -> Tensor:
+    """Sum of `t` over `group` (a new tensor on t's device; `t` itself is left unchanged)."""
     if _size(group) > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        r = t.to(group_device(group), copy=True)
+        dist.all_reduce(r, op=dist.ReduceOp.SUM, group=group)
+        t = r.to(t.device)
+    return t
+
+
+def all_reduce_max(t: Tensor, group) -> Tensor:
+    """Elementwise maximum of `t` over `group` (a new tensor on t's device)."""
+    if _size(group) > 1:
+        r = t.to(group_device(group), copy=True)
+        dist.all_reduce(r, op=dist.ReduceOp.MAX, group=group)
+        t = r.to(t.device)
     return t
 
 
@@ -72,17 +87,18 @@ def cp_credit(cfg: ObjectiveConfig, cp_group, response_index: Tensor, positions:
     """
     if _size(cp_group) == 1:
         return None
-    lengths = lengths.to(torch.int64)
+    dev = response_index.device
+    lengths = lengths.to(device=dev, dtype=torch.int64)
     starts = torch.cumsum(lengths, 0) - lengths
     local_flat = starts.index_select(0, response_index) + positions.to(torch.int64) - 1
     flats = all_gather_varlen(local_flat, cp_group)
     total = int(lengths.sum())
-    full_ridx = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    full_pos = torch.arange(1, total + 1) - starts.index_select(0, full_ridx)
+    full_ridx = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths)
+    full_pos = torch.arange(1, total + 1, device=dev) - starts.index_select(0, full_ridx)
 
     def credit(l: Tensor) -> Tensor:
         values = all_gather_varlen(l.detach().to(torch.float64), cp_group)
-        full = torch.zeros(total, dtype=torch.float64)
+        full = torch.zeros(total, dtype=torch.float64, device=dev)
         for flat, v in zip(flats, values):
             full[flat] = v
         c = future_kl_credit(full, full_ridx, full_pos, lengths, cfg.beta, cfg.horizon,
@@ -94,7 +110,7 @@ def cp_credit(cfg: ObjectiveConfig, cp_group, response_index: Tensor, positions:
 
 def cp_owned(positions: Tensor, response_index: Tensor, num_responses: int) -> Tensor:
     """[M] bool: this rank holds the response's first action token, so it counts the response once."""
-    owned = torch.zeros(num_responses, dtype=torch.bool)
+    owned = torch.zeros(num_responses, dtype=torch.bool, device=positions.device)
     owned[response_index[positions == 1]] = True
     return owned
 
@@ -104,7 +120,8 @@ def cp_owned(positions: Tensor, response_index: Tensor, num_responses: int) -> T
 def minibatch_counts(num_tokens: int, num_responses: int, dp_group) -> tuple[float, float]:
     """Action tokens and responses of the whole optimizer minibatch (this rank's micro-batches summed
     by the caller; each token/response counted on one DP rank and one CP rank)."""
-    t = all_reduce_sum(torch.tensor([float(num_tokens), float(num_responses)], dtype=torch.float64), dp_group)
+    t = all_reduce_sum(torch.tensor([float(num_tokens), float(num_responses)], dtype=torch.float64,
+                                    device=group_device(dp_group)), dp_group)
     return float(t[0]), float(t[1])
 
 
@@ -137,18 +154,20 @@ def reduce_metric_parts(parts: MetricParts, group) -> MetricParts:
     out = MetricParts(values=dict(parts.values))
     keys = sorted(parts.sums)
     vec = torch.tensor([parts.sums[k] for k in keys] + [parts.counts[k] for k in keys]
-                       + [parts.totals[k] for k in sorted(parts.totals)], dtype=torch.float64)
+                       + [parts.totals[k] for k in sorted(parts.totals)], dtype=torch.float64,
+                       device=group_device(group))
     vec = all_reduce_sum(vec, group)
     n = len(keys)
+    vec = vec.cpu()
     out.sums = dict(zip(keys, vec[:n].tolist()))
     out.counts = dict(zip(keys, vec[n:2 * n].tolist()))
     out.totals = dict(zip(sorted(parts.totals), vec[2 * n:].tolist()))
     for src, dst, op in ((parts.maxes, out.maxes, dist.ReduceOp.MAX), (parts.mins, out.mins, dist.ReduceOp.MIN)):
         ks = sorted(src)
         if ks:
-            t = torch.tensor([src[k] for k in ks], dtype=torch.float64)
+            t = torch.tensor([src[k] for k in ks], dtype=torch.float64, device=group_device(group))
             dist.all_reduce(t, op=op, group=group)
-            dst.update(zip(ks, t.tolist()))
+            dst.update(zip(ks, t.cpu().tolist()))
     for k in sorted(parts.samples):  # quantile samples: every shard's values, once each
         out.samples[k] = torch.cat(all_gather_varlen(parts.samples[k].to(torch.float64), group))
     return out

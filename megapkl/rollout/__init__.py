@@ -4,7 +4,7 @@
     engine = EmbeddedEngine(hf_config_dict(spec), seed=0)
     engine.update_weights(exported_hf_tensors, version=0)
     samples = engine.generate([ds[i] for i in it.next_indices(32)], n=8, sampling=SamplingParams())
-    rewards = reward(samples); packed = pack_samples(samples)
+    rewards = reward(samples)   # the trainer packs samples: megapkl.parallel.batching
 
 Heavy dependencies (transformers, math-verify, pyarrow) load only when the class that needs them
 is used, so importing this package stays cheap.
@@ -14,7 +14,7 @@ from megapkl.rollout.data import (DataError, PromptDataset, PromptIterator, Prom
 from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
                                     WeightUpdateError)
 from megapkl.rollout.rewards import MathReward, Reward, SyntheticReward, build_reward, last_boxed
-from megapkl.rollout.sample import PackedSamples, PromptItem, Sample, pack_samples
+from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.synthetic import CharTokenizer, make_synthetic_task
 
 
@@ -28,7 +28,7 @@ def __getattr__(name):
 
 
 __all__ = ["RolloutEngine", "RolloutEngineError", "WeightUpdateError", "SamplingParams",
-           "EmbeddedEngine", "PromptItem", "Sample", "PackedSamples", "pack_samples",
+           "EmbeddedEngine", "PromptItem", "Sample",
            "Reward", "MathReward", "SyntheticReward", "build_reward", "last_boxed",
            "PromptDataset", "PromptIterator", "PromptRecord", "DataError", "build_prompt_dataset",
            "read_prompt_file", "render_prompt", "CharTokenizer", "make_synthetic_task"]

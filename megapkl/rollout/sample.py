@@ -1,5 +1,6 @@
-"""What a rollout engine consumes (`PromptItem`) and produces (`Sample`), and the packing of Samples
-into the per-token tensors of `megapkl.objectives.TokenBatch`.
+"""What a rollout engine consumes (`PromptItem`) and produces (`Sample`). The trainer packs Samples
+directly into megatron micro-batches (`megapkl.parallel.batching`); there is no other per-response
+type between the engine and the loss.
 
 Conventions (those of SGLang's HTTP API, `return_logprob` / `top_logprobs_num`, so that the embedded
 engine and the SGLang engine produce interchangeable Samples):
@@ -18,7 +19,7 @@ engine and the SGLang engine produce interchangeable Samples):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -69,6 +70,11 @@ class Sample:
     response_text: Optional[str] = None  # filled by engines that hold a tokenizer
     answer: Optional[str] = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Filled by the trainer: the advantage (rollout stage), and the proximal / initial-model
+    # log-probs [R] when they are recomputed per batch rather than per minibatch.
+    advantage: Optional[float] = None
+    logp_prox: Optional[Tensor] = None
+    logp_init: Optional[Tensor] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -108,90 +114,3 @@ class Sample:
                 raise ValueError(f"Sample {self.uid}: routed_experts has shape "
                                  f"{list(self.routed_experts.shape)}, expected [{rows}, layers, top_k] "
                                  "(prompt + response - 1 rows)")
-
-
-@dataclass
-class PackedSamples:
-    """Samples packed in order, one row per response token (the layout of `TokenBatch`).
-
-    Per-token [N]: token_ids, response_index (0..M-1, non-decreasing), positions (1..T_m),
-    logp_behav; [N, K]: topk_ids, topk_logp_behav (None unless every sample has them).
-    Per-response [M]: group_index (the samples' global group ids), response_uid, lengths,
-    prompt_lengths, versions, rewards (NaN where unset).
-    """
-
-    token_ids: Tensor
-    response_index: Tensor
-    positions: Tensor
-    logp_behav: Tensor
-    group_index: Tensor
-    response_uid: Tensor
-    lengths: Tensor
-    prompt_lengths: Tensor
-    versions: Tensor
-    rewards: Tensor
-    topk_ids: Optional[Tensor] = None
-    topk_logp_behav: Optional[Tensor] = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.numel())
-
-    def per_token(self, per_response: Tensor) -> Tensor:
-        """Broadcast a per-response [M] tensor (e.g. advantages) to the packed tokens [N]."""
-        return per_response.index_select(0, self.response_index.to(per_response.device))
-
-    def to_token_batch(self, logp: Tensor, advantages: Tensor, **extra: Any):
-        """A `TokenBatch` from the learner log-probs [N] and advantages ([M] or [N]).
-
-        `extra` passes the remaining TokenBatch fields (logp_prox, logp_init, topk_logp, entropy,
-        step). The imports stay local: objectives is a lower room and loads only when used.
-        """
-        from megapkl.objectives.batch import TokenBatch
-
-        if advantages.shape[0] != self.num_tokens:
-            advantages = self.per_token(advantages)
-        dev = logp.device
-        return TokenBatch(
-            logp=logp, logp_behav=self.logp_behav.to(dev), advantages=advantages.to(dev),
-            response_index=self.response_index.to(dev), group_index=self.group_index.to(dev),
-            positions=self.positions.to(dev), token_ids=self.token_ids.to(dev),
-            topk_ids=None if self.topk_ids is None else self.topk_ids.to(dev),
-            topk_logp_behav=None if self.topk_logp_behav is None else self.topk_logp_behav.to(dev),
-            response_uid=self.response_uid.to(dev), **extra)
-
-
-def pack_samples(samples: Sequence[Sample]) -> PackedSamples:
-    """Pack samples (in the given order) into the per-token tensors the objectives need.
-
-    Responses with zero tokens cannot appear in a TokenBatch (every response holds >= 1 action
-    token), so they are an error here rather than a silent drop that would shift indices.
-    """
-    if not samples:
-        raise ValueError("pack_samples: no samples")
-    empty = [s.uid for s in samples if s.response_len == 0]
-    if empty:
-        raise ValueError(f"pack_samples: samples {empty[:5]} have empty responses")
-    lengths = torch.tensor([s.response_len for s in samples], dtype=torch.int64)
-    m = len(samples)
-    response_index = torch.repeat_interleave(torch.arange(m), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    positions = torch.arange(1, int(lengths.sum()) + 1) - starts.index_select(0, response_index)
-    has_topk = all(s.topk_ids is not None for s in samples)
-    if has_topk and len({s.topk_ids.shape[1] for s in samples}) > 1:
-        raise ValueError("pack_samples: samples carry different top-K widths")
-    return PackedSamples(
-        token_ids=torch.cat([s.response_ids for s in samples]),
-        response_index=response_index,
-        positions=positions,
-        logp_behav=torch.cat([s.logp_behav.float() for s in samples]),
-        group_index=torch.tensor([s.group_id for s in samples], dtype=torch.int64),
-        response_uid=torch.tensor([s.uid for s in samples], dtype=torch.int64),
-        lengths=lengths,
-        prompt_lengths=torch.tensor([s.prompt_len for s in samples], dtype=torch.int64),
-        versions=torch.tensor([s.version for s in samples], dtype=torch.int64),
-        rewards=torch.tensor([float("nan") if s.reward is None else s.reward for s in samples],
-                             dtype=torch.float32),
-        topk_ids=torch.cat([s.topk_ids for s in samples]) if has_topk else None,
-        topk_logp_behav=torch.cat([s.topk_logp.float() for s in samples]) if has_topk else None,
-    )

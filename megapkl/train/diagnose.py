@@ -128,7 +128,6 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
     """Responses of the current policy to the first P prompts; log rho_j per response, by prompt."""
     import torch
 
-    from megapkl.parallel.batching import Response
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
     from megapkl.train.rollouts import RolloutStage, _with_seed
@@ -144,14 +143,14 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
     stage.engine.update_weights(learner.export(), 1)
     prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
     samples = stage.engine.generate(prompts, responses, _with_seed(stage.sampling, cfg.seed))
-    batch = [Response(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                      logp_behav=s.logp_behav.float(), advantage=0.0, group=i // responses, uid=i)
-             for i, s in enumerate(samples)]
-    cur = learner.logprobs(batch)
-    ref = learner.logprobs(batch, snapshot="reference")
+    for s in samples:
+        s.advantage = 0.0  # no loss is taken; the packer carries one per response
+    micro_batches = learner.pack(samples)
+    cur = learner.logprobs(micro_batches)
+    ref = learner.logprobs(micro_batches, snapshot="reference")
     by_prompt: list[list[Tensor]] = [[] for _ in prompts]
-    for r in batch:
-        by_prompt[r.group].append((cur[r.uid] - ref[r.uid]).to(torch.float64))
+    for i, s in enumerate(samples):  # prompt-major: prompt i // responses
+        by_prompt[i // responses].append((cur[s.uid] - ref[s.uid]).to(torch.float64))
     return by_prompt
 
 

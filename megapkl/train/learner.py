@@ -7,6 +7,7 @@ snapshot), `export` streams the weights in Hugging Face names for the rollout en
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -21,7 +22,8 @@ from megapkl.models.provider import build_model_chunks, options_from_config
 from megapkl.models.snapshot import SnapshotStore
 from megapkl.models.spec import spec_from_model_config
 from megapkl.parallel import megatron_loss as ML
-from megapkl.parallel.batching import Response, make_micro_batches, pad_multiple, shard_for_cp
+from megapkl.parallel.batching import MicroBatch, pad_multiple
+from megapkl.parallel.microbatches import build_micro_batches
 from megapkl.parallel.groups import ParallelGroups
 
 
@@ -54,49 +56,60 @@ class Learner:
     def __init__(self, cfg, groups: ParallelGroups) -> None:
         self.cfg, self.groups = cfg, groups
         self.spec = spec_from_model_config(cfg.model)
-        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel))
+        pgc = groups.pg_collection   # megatron's explicit process groups, everywhere below
+        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel), pgc)
         ckpt = hf_checkpoint_dir(cfg)
         if ckpt is not None:
             load_hf_weights(chunks, ckpt, spec=self.spec, groups=groups)
         self.settings = optim_settings(cfg)
-        self.model = wrap_ddp(chunks, self.settings)
-        self.optimizer = build_optimizer(self.model, self.settings)
+        self.model = wrap_ddp(chunks, self.settings, pg_collection=pgc)
+        self.optimizer = build_optimizer(self.model, self.settings, pg_collection=pgc)
         self.scheduler = build_scheduler(self.optimizer, self.settings)
-        attach_to_config(self.model, self.optimizer)
+        attach_to_config(self.model, self.optimizer, pg_collection=pgc)
         self.snapshots = SnapshotStore(self.model)
         self.temperature = cfg.rollout.temperature
         self.multiple = pad_multiple(groups.cp_size, groups.tp_size, cfg.parallel.sequence_parallel)
 
     # ------------------------------------------------------------------ batches
 
-    def micro_batches(self, responses: Sequence[Response]):
-        """This rank's CP shards of the micro-batches of `responses` (this DP rank's share)."""
-        per = self.cfg.parallel.micro_batch_size
-        num_micro = max(1, math.ceil(len(responses) / per))
-        mbs = make_micro_batches(responses, num_micro, self.multiple,
-                                 same_shape=self.groups.pp_size > 1,
-                                 layout="thd" if self.cfg.parallel.packing == "thd" else "bshd")
-        return [shard_for_cp(mb, self.groups.cp_rank, self.groups.cp_size) for mb in mbs]
+    @property
+    def layout(self) -> str:
+        return "thd" if self.cfg.parallel.packing == "thd" else "bshd"
+
+    def pack(self, samples: Sequence) -> list[MicroBatch]:
+        """This rank's CP shards of the micro-batches of `samples` (this DP rank's share), on
+        the device: built once per minibatch, then passed to `logprobs` / `fill_logprobs` /
+        `train_step` (`megapkl.parallel.microbatches`)."""
+        p = self.cfg.parallel
+        return build_micro_batches(samples, self.groups, self.multiple, self.layout,
+                                   micro_batch_size=p.micro_batch_size,
+                                   max_tokens=p.max_tokens_per_micro_batch)
 
     # ------------------------------------------------------------------ forward passes
 
-    def logprobs(self, responses: Sequence[Response], snapshot: Optional[str] = None
+    def logprobs(self, micro_batches: Sequence[MicroBatch], snapshot: Optional[str] = None
                  ) -> dict[int, torch.Tensor]:
-        """{uid: [T]} log-probs of the responses' tokens under the current weights or a snapshot,
-        on every rank (broadcast from the last pipeline stage)."""
-        mbs = self.micro_batches(responses)
-        if snapshot is None:
-            out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
-        else:
-            with self.snapshots.swapped_in(snapshot):
-                out = ML.forward_logprobs(self.groups, self.model, mbs, self.temperature)
+        """{uid: [T]} log-probs (CPU) of the micro-batches' tokens under the current weights or a
+        snapshot, on every rank (broadcast from the last pipeline stage)."""
+        with self._weights(snapshot):
+            out = ML.forward_logprobs(self.groups, self.model, micro_batches, self.temperature)
         return self._from_last_stage(out)
 
-    def train_step(self, responses: Sequence[Response], step: int) -> tuple[dict[str, float], bool]:
-        """One optimizer update on this rank's share; returns (metrics, applied). A non-finite
-        loss skips the update (gradients dropped) and returns applied=False."""
+    def fill_logprobs(self, micro_batches: Sequence[MicroBatch], name: str,
+                      snapshot: Optional[str] = None) -> None:
+        """Write the local action tokens' log-probs under the weights or a snapshot into each
+        micro-batch's field `name` (e.g. logp_prox): no gather, the shards are reused as is."""
+        with self._weights(snapshot):
+            ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
+
+    def _weights(self, snapshot: Optional[str]):
+        return contextlib.nullcontext() if snapshot is None else self.snapshots.swapped_in(snapshot)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], step: int) -> tuple[dict[str, float], bool]:
+        """One optimizer update on this rank's micro-batches (`pack`); returns (metrics,
+        applied). A non-finite loss skips the update (gradients dropped), applied=False."""
         obj = self.cfg.objective
-        mbs = self.micro_batches(responses)
+        mbs = micro_batches
         zero_grads(self.model, self.optimizer)
         stats = ML.count_minibatch(mbs, self.groups)
         if ML.prepass_required(obj, self.groups, len(mbs)):

@@ -34,10 +34,12 @@ def train_local(cfg) -> list[dict]:
     world = world_size(cfg)
     if world == 1:
         return [_rank_main(0, 1, cfg)]
-    from megapkl.parallel.forked import run_forked
+    from megapkl.parallel.forked import preload_megatron, run_forked
     from megapkl.train.stopping import forward_to_children
 
     forward_to_children()  # Ctrl-C / SIGTERM: the ranks checkpoint and stop, this waits for them
+    preload_megatron()   # imported once, inherited by the forked ranks
 
     threads = max(1, (os.cpu_count() or 1) // world)
-    return run_forked(_rank_main, world, cfg, timeout=WEEK_S, threads=threads)
+    # install_compat=False: each rank installs megatron's CPU layer itself, in init_groups
+    return run_forked(_rank_main, world, cfg, timeout=WEEK_S, threads=threads, install_compat=False)

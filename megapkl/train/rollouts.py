@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megapkl.objectives.advantages import compute_advantages
 from megapkl.objectives.sis import mix64_int
+from megapkl.parallel.groups import group_device
 from megapkl.rollout.data import PromptIterator, build_prompt_dataset
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.rewards import build_reward
@@ -125,7 +126,7 @@ class RolloutStage:
 
     def collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
         """This rank's `per_rank` prompt groups of global batch `batch`, with rewards and
-        advantages (Sample.metadata['advantage'])."""
+        advantages (Sample.advantage)."""
         kept: list[list[Sample]] = []
         drawn = 0
         self.loads = dict.fromkeys(self.loads, 0.0)
@@ -181,7 +182,7 @@ class RolloutStage:
             s.group_id, s.uid = group_id, group_id * g + j
 
     def _all_ranks_full(self, mine: bool) -> bool:
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int64, device=group_device(self.dp_group))
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
         return bool(flag.item())
@@ -192,7 +193,7 @@ class RolloutStage:
         groups = torch.tensor([s.group_id for s in samples])
         adv = compute_advantages(rewards, groups, a.mode, a.perturb_baseline, a.std_eps)
         for s, v in zip(samples, adv.tolist()):
-            s.metadata["advantage"] = v
+            s.advantage = v
 
     # ------------------------------------------------------------------ checkpoint state
 

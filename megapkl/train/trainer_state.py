@@ -32,11 +32,11 @@ def layout(trainer) -> dict[str, int]:
 # ------------------------------------------------------------------ batch and counters
 
 
-def _my_minibatches(trainer) -> list[list[tuple[Any, Any]]]:
+def _my_minibatches(trainer) -> list[list[Any]]:
+    """This rank's samples (with their advantages and per-batch reference log-probs) by minibatch."""
     n = trainer.cfg.rollout.minibatches_per_batch
-    per = len(trainer.responses) // n
-    pairs = list(zip(trainer.batch, trainer.responses))
-    return [pairs[m * per:(m + 1) * per] for m in range(n)]
+    per = len(trainer.batch) // n
+    return [trainer.batch[m * per:(m + 1) * per] for m in range(n)]
 
 
 def gather(trainer, step: int, checkpoint: Path) -> Optional[dict]:
@@ -74,9 +74,7 @@ def my_share(minibatches: list[list[Any]], dp_rank: int, dp_size: int) -> list[A
 def apply(trainer, state: dict, checkpoint: Path) -> None:
     g = trainer.groups
     trainer.rollouts.load_state_dict(state["rollouts"], checkpoint=checkpoint)
-    pairs = my_share(state["minibatches"], g.dp_rank, g.dp_size)
-    trainer.batch = [s for s, _ in pairs]
-    trainer.responses = [r for _, r in pairs]
+    trainer.batch = my_share(state["minibatches"], g.dp_rank, g.dp_size)
     trainer.nan_streak, trainer.nan_skipped = state["nan_streak"], state["nan_skipped"]
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 32, 4, 2, 64, 2
+VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, EXPERTS = 64, 32, 4, 2, 64, 2, 4
 TEMPERATURE, TOPK, SEED = 0.8, 4, 1234
 # (prompt length, response length) per uid; group = uid // 4. uid 3 has a 1-token prompt and the
 # longest response, uid 5 a 1-token response; uids 0 and 4 together leave one CP=2 rank without
@@ -26,17 +26,39 @@ LENGTHS = [(3, 2), (5, 30), (12, 17), (1, 45), (30, 4), (8, 1), (20, 25), (2, 9)
 ORDER = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
 
 
-def model_config(tp=1, pp=1, cp=1):
+def model_config(tp=1, pp=1, cp=1, sp=False, ep=0):
+    """ep=0: dense; ep >= 1: MoE with EXPERTS experts (top-2, no auxiliary loss, dropless)
+    over `ep` expert-parallel ranks with megatron's all-gather token dispatcher."""
     from megatron.core.transformer import TransformerConfig
 
+    moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=FFN // 2,
+               moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+               moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
+               moe_grouped_gemm=False) if ep else {}
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, calculate_per_token_loss=True)
+        sequence_parallel=sp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True, **moe)
+
+
+def block_spec(config, cp=1, packed=False, moe=False):
+    """megatron's local spec with the core attention the provider picks for this layout
+    (`local_spec_attention`) and the provider's Qwen RMSNorm (sequence-parallel aware)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megapkl.models.provider import QwenRMSNorm, _replace_norms
+    from megapkl.parallel.cp_attention import local_spec_attention
+
+    layer = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, normalization="RMSNorm")
+    layer = _replace_norms(local_spec_attention(layer, cp_size=cp, packed=packed),
+                           WrappedTorchNorm, QwenRMSNorm)
+    count = LAYERS // config.pipeline_model_parallel_size
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
 
 def gpt(config, spec, pre=True, post=True):
@@ -46,13 +68,13 @@ def gpt(config, spec, pre=True, post=True):
                     position_embedding_type="rope", pre_process=pre, post_process=post)
 
 
-def reference_model():
+def reference_model(moe=False):
     """Single process, megatron's own local attention (the CP module is checked against it)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megapkl.parallel.groups import init_parallel
 
     init_parallel(seed=SEED)
-    return gpt(model_config(), get_gpt_layer_local_spec(normalization="RMSNorm"))
+    config = model_config(ep=1 if moe else 0)
+    return gpt(config, block_spec(config, moe=moe))
 
 
 # ----------------------------------------------------------------------------- weights
@@ -77,36 +99,39 @@ def tp_gather(t, p, group):
                      dim=p.partition_dim)
 
 
-def global_name(name, pp_rank, pp_size):
-    """Local layer numbering of a pipeline stage -> the single-stage name."""
+def global_name(name, groups):
+    """Local layer numbering of a pipeline stage, local expert numbering of an expert-parallel
+    rank -> the single-process name."""
     parts = name.split(".")
     if name.startswith("decoder.layers."):
-        parts[2] = str(int(parts[2]) + pp_rank * (LAYERS // pp_size))
+        parts[2] = str(int(parts[2]) + groups.pp_rank * (LAYERS // groups.pp_size))
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(int(parts[i]) + groups.ep_rank * (EXPERTS // groups.ep_size))
     return ".".join(parts)
 
 
 def load_full_state(module, state, groups):
     with torch.no_grad():
         for name, p in module.named_parameters():
-            full = state[global_name(name, groups.pp_rank, groups.pp_size)]
+            full = state[global_name(name, groups)]
             p.copy_(tp_slice(full, p, groups.tp_rank, groups.tp_size))
 
 
 def full_grads(module, groups, attr="main_grad"):
-    return {global_name(n, groups.pp_rank, groups.pp_size): tp_gather(getattr(p, attr), p, groups.tp)
+    return {global_name(n, groups): tp_gather(getattr(p, attr), p, groups.tp)
             for n, p in module.named_parameters()}
 
 
-def distributed_model(groups, state, cp_attention=True):
-    """Our CP-capable spec, weights from `state`, wrapped in megatron DDP with per-token loss."""
+def distributed_model(groups, state, sp=False, packed=False, moe=False):
+    """The provider's spec choice for this layout, weights from `state`, wrapped in megatron
+    DDP with per-token loss."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megapkl.parallel.cp_attention import gpt_layer_spec_with_cp_attention
 
-    config = model_config(groups.tp_size, groups.pp_size, groups.cp_size)
-    spec = (gpt_layer_spec_with_cp_attention(normalization="RMSNorm") if cp_attention
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    config = model_config(groups.tp_size, groups.pp_size, groups.cp_size, sp,
+                          ep=groups.ep_size if moe else 0)
+    spec = block_spec(config, groups.cp_size, packed, moe)
     module = gpt(config, spec, groups.is_first_pp_stage, groups.is_last_pp_stage)
     load_full_state(module, state, groups)
     ddp = DistributedDataParallel(
@@ -121,7 +146,7 @@ def distributed_model(groups, state, cp_attention=True):
 def make_responses(model):
     """The minibatch; behavior/proximal/init log-probs and top-K are the model's own values
     (temperature-scaled) plus noise, so ratios are near 1 but not equal."""
-    from megapkl.parallel.batching import Response
+    from megapkl.rollout.sample import Sample
 
     g = torch.Generator().manual_seed(7)
     raw = []
@@ -141,10 +166,10 @@ def make_responses(model):
         topk_behav = lp_all.gather(1, topk) + 0.3 * torch.randn(t, TOPK, generator=g)
         topk_behav[hit, 0] = behav[hit]                 # mu's top-K value at a_t is logp_behav
         group = uid // 4
-        out.append(Response(prompt_ids=prompt, response_ids=resp, logp_behav=behav,
+        out.append(Sample(version=0, prompt_ids=prompt, response_ids=resp, logp_behav=behav,
                             advantage=float(rewards[uid] - rewards[group * 4:group * 4 + 4].mean()),
-                            group=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
-                            topk_ids=topk, topk_logp_behav=topk_behav))
+                            group_id=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
+                            topk_ids=topk, topk_logp=topk_behav))
     return out
 
 
@@ -170,17 +195,17 @@ def reference_batch(model, responses, entropy=False):
 
     lps = reference_logprobs(model, [(r.prompt_ids, r.response_ids) for r in responses])
     cat = lambda f: torch.cat([f(r, lp, h) for r, (lp, h) in zip(responses, lps)])  # noqa: E731
-    lengths = torch.tensor([r.num_actions for r in responses])
+    lengths = torch.tensor([r.response_len for r in responses])
     return TokenBatch(
         logp=cat(lambda r, lp, h: lp.gather(1, r.response_ids[:, None])[:, 0]),
         logp_behav=cat(lambda r, lp, h: r.logp_behav), logp_prox=cat(lambda r, lp, h: r.logp_prox),
         logp_init=cat(lambda r, lp, h: r.logp_init),
-        advantages=cat(lambda r, lp, h: torch.full((r.num_actions,), r.advantage)),
+        advantages=cat(lambda r, lp, h: torch.full((r.response_len,), r.advantage)),
         response_index=torch.repeat_interleave(torch.arange(len(responses)), lengths),
-        group_index=torch.tensor([r.group for r in responses]),
-        positions=cat(lambda r, lp, h: torch.arange(1, r.num_actions + 1)),
+        group_index=torch.tensor([r.group_id for r in responses]),
+        positions=cat(lambda r, lp, h: torch.arange(1, r.response_len + 1)),
         token_ids=cat(lambda r, lp, h: r.response_ids), topk_ids=cat(lambda r, lp, h: r.topk_ids),
-        topk_logp_behav=cat(lambda r, lp, h: r.topk_logp_behav),
+        topk_logp_behav=cat(lambda r, lp, h: r.topk_logp),
         topk_logp=cat(lambda r, lp, h: lp.gather(1, r.topk_ids)),
         response_uid=torch.tensor([r.uid for r in responses]), step=3,
         entropy=cat(lambda r, lp, h: h) if entropy else None)

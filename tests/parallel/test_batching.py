@@ -1,19 +1,23 @@
-"""Responses -> micro-batches -> CP shards -> TokenBatch (megapkl.parallel.batching), no model."""
+"""Samples -> micro-batches -> CP shards -> TokenBatch (megapkl.parallel.batching), no model."""
+import dataclasses
+
 import pytest
 import torch
 
 from megapkl.parallel import batching as B
+from megapkl.parallel import microbatches as MB
+from megapkl.rollout.sample import Sample
 
 
 def responses(lengths=((3, 2), (1, 9), (7, 1), (2, 13), (5, 6)), k=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for uid, (p, t) in enumerate(lengths):
-        out.append(B.Response(
+        out.append(Sample(version=0, 
             prompt_ids=torch.randint(1, 50, (p,), generator=g), response_ids=torch.randint(1, 50, (t,), generator=g),
-            logp_behav=-torch.rand(t, generator=g), advantage=float(uid) - 2.0, group=uid // 2, uid=100 + uid,
+            logp_behav=-torch.rand(t, generator=g), advantage=float(uid) - 2.0, group_id=uid // 2, uid=100 + uid,
             logp_prox=-torch.rand(t, generator=g), topk_ids=torch.randint(0, 50, (t, k), generator=g),
-            topk_logp_behav=-torch.rand(t, k, generator=g)))
+            topk_logp=-torch.rand(t, k, generator=g)))
     return out
 
 
@@ -22,7 +26,7 @@ def test_pack_shifts_labels_on_the_full_sequence_and_aligns_fields():
     mb = B.pack(rs, multiple=4)
     assert mb.tokens.shape == (5, 16) and mb.seq_length == 16        # longest 15 -> 16
     for i, r in enumerate(rs):
-        p, t = r.prompt_ids.numel(), r.num_actions
+        p, t = r.prompt_ids.numel(), r.response_len
         assert torch.equal(mb.tokens[i, :p + t], torch.cat([r.prompt_ids, r.response_ids]))
         m = mb.loss_mask[i]
         assert int(m.sum()) == t and bool(m[p - 1:p - 1 + t].all())
@@ -79,14 +83,69 @@ def test_split_and_errors():
     with pytest.raises(ValueError, match="cannot split"):
         B.split_responses([1, 2], 3)
     r = responses()[0]
-    bad = B.Response(prompt_ids=torch.zeros(0, dtype=torch.int64), response_ids=r.response_ids,
-                     logp_behav=r.logp_behav, advantage=0.0, group=0, uid=1)
-    with pytest.raises(ValueError, match="empty prompt"):
-        B.pack([bad], 2)
-    short = B.Response(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logp_behav=r.logp_behav[:1],
-                       advantage=0.0, group=0, uid=2)
-    with pytest.raises(ValueError, match="logp_behav must have"):
-        B.pack([short], 2)
+    bad = dataclasses.replace(r, prompt_ids=torch.zeros(0, dtype=torch.int64), uid=1)
+    short = dataclasses.replace(r, uid=2)
+    short.logp_prox = r.logp_prox[:1]
+    no_adv = dataclasses.replace(r, uid=3, advantage=None)
+    no_prox = dataclasses.replace(r, uid=4, logp_prox=None)
+    for packer in (B.pack, B.pack_thd):   # one shared validation
+        with pytest.raises(ValueError, match="uid=1 has an empty prompt"):
+            packer([bad], 2)
+        with pytest.raises(ValueError, match="uid=2: logp_prox must have 2 rows"):
+            packer([short], 2)
+        with pytest.raises(ValueError, match="uid=3 has no advantage"):
+            packer([no_adv], 2)
+        with pytest.raises(ValueError, match="uid=4: logp_prox must have 2 rows .* got None"):
+            packer([r, no_prox], 2)
     with pytest.raises(ValueError, match="multiple of 2\\*cp"):
         B.cp_slice(torch.zeros(1, 6), 0, 2)
     assert B.pad_multiple(2, 2, sequence_parallel=True) == 8 and B.pad_multiple(2, 2) == 4
+
+
+def test_token_budget_plan_is_first_fit_decreasing_and_equalized():
+    lengths = [10, 80, 12, 30, 9, 41, 70, 8]
+    plan = MB.plan_by_tokens(lengths, 96, 4, "thd")
+    assert sorted(i for p in plan for i in p) == list(range(8))
+    for part in plan:
+        assert MB.padded_cost([lengths[i] for i in part], 4, "thd") <= 96
+    # FFD: 80 (+12 -> 92), 70 (+10 +9 -> 92), 41 (+30 +8 -> 84): three micro-batches
+    assert plan == [[0, 4, 6], [1, 2], [3, 5, 7]]
+    # one row per response costs rows x the longest
+    assert MB.padded_cost([10, 30], 4, "bshd") == 64 and MB.padded_cost([10, 30], 4, "thd") == 44
+    # another DP rank needs more micro-batches: split the fullest until the counts agree
+    five = MB.plan_by_tokens(lengths, 96, 4, "thd", num_micro=5)
+    assert len(five) == 5 and sorted(i for p in five for i in p) == list(range(8))
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch = 64 is smaller than one "
+                                         "response .* 80 tokens"):
+        MB.plan_by_tokens(lengths, 64, 4, "thd")
+    with pytest.raises(ValueError, match="cannot make 9 micro-batches of 8"):
+        MB.plan_by_tokens(lengths, 96, 4, "thd", num_micro=9)
+    # the plan feeds make_micro_batches; every sample lands once, in index order per micro-batch
+    rs = responses(lengths=[(1, n - 1) for n in lengths])
+    mbs = B.make_micro_batches(rs, plan, 4, layout="thd")
+    assert [mb.uid[:mb.num_responses].tolist() for mb in mbs] == [[100 + i for i in p] for p in plan]
+    assert max(mb.seq_length for mb in mbs) <= 96
+
+
+def test_loss_view_is_fp32_from_bf16_logprobs():
+    mb = B.pack(responses(), multiple=4)
+    n = mb.num_action_tokens
+    tb = B.token_batch(mb, torch.zeros(n, dtype=torch.bfloat16, requires_grad=True),
+                       topk_logp=torch.zeros(n, 3, dtype=torch.bfloat16),
+                       entropy=torch.zeros(n, dtype=torch.bfloat16))
+    for name in ("logp", "logp_behav", "logp_prox", "advantages", "topk_logp", "topk_logp_behav", "entropy"):
+        assert getattr(tb, name).dtype == torch.float32, name
+    assert tb.logp.requires_grad
+
+
+def test_micro_batch_moves_every_tensor_to_the_device():
+    """`MicroBatch.to` (the one place batches reach the device) leaves no tensor behind: the
+    per-position tensors, per-response tensors, token fields, THD bounds and R3 routing."""
+    rs = [dataclasses.replace(r, routed_experts=torch.zeros(r.prompt_ids.numel() + r.response_len - 1, 2, 2,
+                                                            dtype=torch.int32)) for r in responses()]
+    for mb in (B.pack(rs, 4), B.pack_thd(rs, 4)):
+        moved = mb.to("meta")
+        tensors = [v for v in vars(moved).values() if isinstance(v, torch.Tensor)] + list(moved.fields.values())
+        assert len(tensors) >= (15 if mb.is_thd else 12)
+        assert all(t.device.type == "meta" for t in tensors)
+        assert mb.tokens.device.type == "cpu"          # a new MicroBatch; the CPU one is unchanged

@@ -126,3 +126,22 @@ def test_expected_coords_cover_every_rank_once():
         seen = {tuple(expected_coords(r, 4, **layout)[0][d] for d in ("tp", "cp", "dp", "pp"))
                 for r in range(4)}
         assert len(seen) == 4
+
+
+def test_device_is_cpu_under_gloo_and_compat_is_required(dist_run):
+    """Under gloo the bundle's device is the CPU; without CUDA, building megatron groups in a
+    process that did not install the compatibility layer is refused with a clear message."""
+    def worker(rank, world_size):
+        from megapkl.parallel import compat
+        from megapkl.parallel.groups import group_device, init_parallel, replica_group
+
+        assert not compat.is_installed()
+        with pytest.raises(RuntimeError, match="compat.install"):
+            init_parallel(tp=1)
+        compat.install()
+        g = init_parallel(tp=2)
+        replica = replica_group(g)   # the ranks sharing this DP index: here the TP pair
+        return str(g.device), str(group_device(g.tp)), dist.get_world_size(replica)
+
+    assert dist_run(worker, 2, install_compat=False) == [("cpu", "cpu", 2)] * 2
+    assert ParallelGroups.single().device == torch.device("cpu")

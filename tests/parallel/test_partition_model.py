@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megapkl.objectives import PolicyLossConfig, policy_loss
+from megapkl.rollout.sample import Sample
 
 import partition_harness as H
 
@@ -33,7 +34,10 @@ CASES = [
 ]
 STEP = 3
 
-# name: (tp, pp, cp, dp, micro-batches per DP rank)
+# name: (tp, pp, cp, dp, micro-batches per DP rank[, options])
+# options: sp (sequence parallel), packing ("thd"), tokens (parallel.max_tokens_per_micro_batch
+# instead of a micro-batch count), ep (MoE model over that many expert-parallel ranks, compared
+# with the single-process MoE model).
 LAYOUTS = {
     "tp1cp1dp1_mb2": (1, 1, 1, 1, 2),
     "tp1cp1dp2_mb3": (1, 1, 1, 2, 3),
@@ -43,13 +47,29 @@ LAYOUTS = {
     "tp2cp1dp2_mb2": (2, 1, 1, 2, 2),
     "tp2cp2dp1_mb3": (2, 1, 2, 1, 3),
     "pp2cp2_mb3": (1, 2, 2, 1, 3),   # PP x CP: num_tokens broadcast over PP, summed over DP x CP
+    # token-balanced micro-batches: first-fit decreasing, both DP ranks run the same count
+    "tp1cp1dp2_tokens": (1, 1, 1, 2, 0, {"tokens": 96}),
+    "tp1cp2dp1_thd_tokens": (1, 1, 2, 1, 0, {"tokens": 64, "packing": "thd"}),
+    "thd_cp1dp2_mb2": (1, 1, 1, 2, 2, {"packing": "thd"}),    # packed rows without CP
+    "tp2sp_mb2": (2, 1, 1, 1, 2, {"sp": True}),
+    "tp2sp_cp2_mb2": (2, 1, 2, 1, 2, {"sp": True}),
+    "moe_ep2dp2_mb2": (1, 1, 1, 2, 2, {"ep": 2}),               # all-gather dispatcher across DP
 }
+# The new layouts run a subset of the objectives that covers every kind of cross-shard
+# statistic (token counts, CP credit, response table, global M2 mask, SIS, entropy/KL terms).
+SUBSET = [0, 6, 11, 14, 16, 20]
+MOE_CASES = [{"name": "pg"}, {"name": "proximal_kl", "horizon": 5}, {"name": "gspo"}]
+
+
+def layout_of(name):
+    tp, pp, cp, dp, micro, *rest = LAYOUTS[name]
+    return tp, pp, cp, dp, micro, (rest[0] if rest else {})
 
 
 # ----------------------------------------------------------------------------- workers
 
-def reference_worker(rank, world_size, cases):
-    model = H.reference_model()
+def reference_worker(rank, world_size, cases, moe=False):
+    model = H.reference_model(moe)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         responses = H.make_responses(model)
@@ -78,13 +98,17 @@ def layout_worker(rank, world_size, layout, state, responses, cases, variants=()
     from megapkl.parallel import batching as B
     from megapkl.parallel import megatron_loss as L
     from megapkl.parallel.groups import init_parallel
+    from megapkl.parallel.microbatches import build_micro_batches
 
-    tp, pp, cp, dp, micro = layout
-    groups = init_parallel(tp=tp, pp=pp, cp=cp, seed=H.SEED)
-    ddp, module = H.distributed_model(groups, state)
+    tp, pp, cp, dp, micro, opts = layout
+    sp, packing, ep = opts.get("sp", False), opts.get("packing", "bshd"), opts.get("ep", 1)
+    groups = init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, etp=1 if ep > 1 else None, seed=H.SEED)
+    ddp, module = H.distributed_model(groups, state, sp=sp, packed=packing == "thd", moe=ep > 1)
     mine = H.dp_share(responses, groups.dp_rank, groups.dp_size)
-    full = B.make_micro_batches(mine, micro, B.pad_multiple(cp), same_shape=pp > 1)
-    shards = [B.shard_for_cp(mb, groups.cp_rank, cp) for mb in full]
+    # the trainer's own packing: plan (count or token budget), shared shape, CP shards, device
+    shards = build_micro_batches(mine, groups, B.pad_multiple(cp, tp, sp), packing,
+                                 micro_batch_size=-(-len(mine) // max(micro, 1)),
+                                 max_tokens=opts.get("tokens"))
     runs = [(case, None) for case in cases] + [(case, v) for v, case in variants]
     out = []
     for case, variant in runs:
@@ -114,7 +138,7 @@ def layout_worker(rank, world_size, layout, state, responses, cases, variants=()
         out.append(rec)
     # the logp-only forward (proximal / behavior recomputation): complete responses, last stage
     logp = L.forward_logprobs(groups, [ddp], shards, H.TEMPERATURE)
-    return out, (logp if groups.tp_rank == 0 else {})
+    return out, (logp if groups.tp_rank == 0 else {}), [mb.num_responses for mb in shards]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -125,8 +149,8 @@ def test_layouts_tear_groups_apart_and_straddle_cp_chunks():
     from megapkl.parallel import batching as B
 
     lengths = [p + t for p, t in H.LENGTHS]
-    rs = [B.Response(prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.ones(t, dtype=torch.int64),
-                     logp_behav=torch.zeros(t), advantage=0.0, group=u // 4, uid=u)
+    rs = [Sample(version=0, prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.ones(t, dtype=torch.int64),
+                 logp_behav=torch.zeros(t), advantage=0.0, group_id=u // 4, uid=u)
           for u, (p, t) in enumerate(H.LENGTHS)]
     assert max(lengths) > 40
     place = {}
@@ -147,6 +171,14 @@ def reference(megatron_loaded):
     from megapkl.parallel.forked import run_forked
 
     ((state, responses, results),) = run_forked(reference_worker, 1, CASES, timeout=120)
+    return state, responses, results
+
+
+@pytest.fixture(scope="module")
+def moe_reference(megatron_loaded):
+    from megapkl.parallel.forked import run_forked
+
+    ((state, responses, results),) = run_forked(reference_worker, 1, MOE_CASES, True, timeout=120)
     return state, responses, results
 
 
@@ -185,27 +217,43 @@ def check_case(ranks, i, ref, case, tol=1e-5):
     errs = grad_rel_errors(merged_grads(ranks, i), ref["grads"])
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, (case, worst, errs[worst])
+    coef_err = max(abs(coef[k] - c) for k, c in ref["coef"].items()) / scale
+    loss_err = max(abs(rec["metrics"]["loss"] - ref["loss"]) for rec in last) / scale
+    return coef_err, loss_err, errs[worst]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_objective_matches_single_process(dist_run, reference, name):
-    state, responses, (ref, ref_logp) = reference
-    layout = LAYOUTS[name]
-    tp, pp, cp, dp, _ = layout
-    out = dist_run(layout_worker, tp * pp * cp * dp, layout, state, responses, CASES, timeout=240)
-    ranks = [records for records, _ in out]
-    for i, case in enumerate(CASES):
-        check_case(ranks, i, ref[i], case)
+def test_every_objective_matches_single_process(dist_run, request, name):
+    tp, pp, cp, dp, micro, opts = layout = layout_of(name)
+    moe = opts.get("ep", 1) > 1
+    state, responses, (ref, ref_logp) = request.getfixturevalue("moe_reference" if moe else "reference")
+    if moe:
+        cases, idx = MOE_CASES, range(len(MOE_CASES))
+    elif len(LAYOUTS[name]) > 5:
+        cases, idx = [CASES[i] for i in SUBSET], SUBSET
+    else:
+        cases, idx = CASES, range(len(CASES))
+    out = dist_run(layout_worker, tp * pp * cp * dp, layout, state, responses, cases, timeout=240)
+    ranks = [records for records, _, _ in out]
+    worst = [0.0, 0.0, 0.0]
+    for j, (i, case) in enumerate(zip(idx, cases)):
+        worst = [max(a, b) for a, b in zip(worst, check_case(ranks, j, ref[i], case))]
     if name == "tp1cp2dp2_mb3":  # the stand-in path for a CP rank without action tokens ran
         assert sum(r[0]["empty_shards"] for r in ranks) > 0
+    if "tokens" in opts:  # several micro-batches, the same number on every DP rank
+        counts = {len(sizes) for _, _, sizes in out}
+        assert len(counts) == 1 and counts.pop() > 1, [sizes for _, _, sizes in out]
     logp = {}
-    for _, rank_logp in out:
+    for _, rank_logp, _ in out:
         for uid, lp in rank_logp.items():
             assert uid not in logp or torch.equal(logp[uid], lp)  # CP ranks agree
             logp[uid] = lp
     assert logp.keys() == ref_logp.keys()
+    lp_err = max(float((logp[u] - lp).abs().max()) for u, lp in ref_logp.items())
     for uid, lp in ref_logp.items():
         torch.testing.assert_close(logp[uid], lp, rtol=1e-5, atol=1e-5)
+    print(f"\n[partition] {name}: worst coef {worst[0]:.2e} (rel. to max |coef|), loss "
+          f"{worst[1]:.2e}, grad {worst[2]:.2e} (rel. norm), logp {lp_err:.2e} (abs)")
 
 
 def differs(ranks, i, ref):
@@ -219,9 +267,9 @@ def test_labels_shifted_after_cp_sharding_is_caught(dist_run, reference):
     """Shifting labels on the local CP shard pairs each chunk's last logits with the first token
     of the rank's other chunk: loss and gradients move, while the correct shift matches."""
     state, responses, (ref, _) = reference
-    layout = (1, 1, 2, 1, 2)
+    layout = (1, 1, 2, 1, 2, {})
     pg = CASES.index({"name": "pg"})
-    ranks = [records for records, _ in dist_run(layout_worker, 2, layout, state, responses, [CASES[pg]],
+    ranks = [records for records, _, _ in dist_run(layout_worker, 2, layout, state, responses, [CASES[pg]],
                      [("labels_after_cp", CASES[pg])], timeout=120)]
     check_case(ranks, 0, ref[pg], CASES[pg])
     assert differs(ranks, 1, ref[pg]) == (True, True)
@@ -231,9 +279,9 @@ def test_per_rank_token_normalizer_is_caught(dist_run, reference):
     """A per-rank normalizer changes the loss (token_mean) and, for sequence-normalized
     objectives, the gradients; the global one matches. Token counts differ between the DP ranks."""
     state, responses, (ref, _) = reference
-    layout = (1, 1, 1, 2, 2)
+    layout = (1, 1, 1, 2, 2, {})
     pg, gspo = CASES.index({"name": "pg"}), CASES.index({"name": "gspo"})
-    ranks = [records for records, _ in dist_run(layout_worker, 2, layout, state, responses, [CASES[pg], CASES[gspo]],
+    ranks = [records for records, _, _ in dist_run(layout_worker, 2, layout, state, responses, [CASES[pg], CASES[gspo]],
                      [("per_rank_normalizer", CASES[pg]), ("per_rank_normalizer", CASES[gspo])],
                      timeout=120)]
     check_case(ranks, 0, ref[pg], CASES[pg])

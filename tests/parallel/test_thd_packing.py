@@ -49,7 +49,7 @@ def test_pack_thd_layout_labels_positions_and_cu_seqlens():
     ref = B.pack(rs, multiple=4)                             # one row per response
     for i, r in enumerate(rs):
         a, n = int(mb.cu_seqlens_padded[i]), padded[i]
-        p, t = r.prompt_ids.numel(), r.num_actions
+        p, t = r.prompt_ids.numel(), r.response_len
         assert torch.equal(mb.position_ids[0, a:a + n], torch.arange(n))          # RoPE restarts
         assert torch.equal(mb.tokens[0, a:a + p + t], torch.cat([r.prompt_ids, r.response_ids]))
         assert bool((mb.segment[0, a:a + n] == i).all())
@@ -114,7 +114,7 @@ def test_thd_routed_experts_reach_replay_in_thd_order():
     from megapkl.models.replay import cp_slice as replay_cp_slice
 
     rs = small_responses()
-    rs = [dataclasses.replace(r, routed_experts=torch.randint(0, 8, (r.prompt_ids.numel() + r.num_actions - 1, 2, 2)))
+    rs = [dataclasses.replace(r, routed_experts=torch.randint(0, 8, (r.prompt_ids.numel() + r.response_len - 1, 2, 2)))
           for r in rs]
     mb = B.pack_thd(rs, multiple=4)
     for rank in range(2):
@@ -188,7 +188,7 @@ def thd_worker(rank, world_size, layout, state, responses, cases):
 
     tp, pp, cp, dp, micro = layout
     groups = init_parallel(tp=tp, pp=pp, cp=cp, seed=H.SEED)
-    ddp, module = H.distributed_model(groups, state)
+    ddp, module = H.distributed_model(groups, state, packed=True)
     mine = H.dp_share(responses, groups.dp_rank, groups.dp_size)
     mult = B.pad_multiple(cp)
     thd = [B.shard_for_cp(mb, groups.cp_rank, cp)

@@ -13,7 +13,7 @@ from rollout_tiny import DENSE, build_model, teacher_forced  # noqa: E402
 
 from megapkl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError  # noqa: E402
-from megapkl.rollout.sample import PromptItem, pack_samples  # noqa: E402
+from megapkl.rollout.sample import PromptItem  # noqa: E402
 
 # Prompts of different lengths, so the batch is left-padded.
 PROMPTS = [PromptItem([1, 40, 41, 42]), PromptItem([1, 50]), PromptItem([1, 60, 61, 62, 63, 64, 65])]
@@ -170,22 +170,27 @@ def test_moe_routed_experts_match_teacher_forced_routing(moe_model, dense_model)
         engine_for(dense_model).generate(PROMPTS, 1, sampling)
 
 
-def test_pack_samples_feeds_token_batch(dense_model):
+def test_engine_samples_pack_into_the_loss_view(dense_model):
+    """The engine's Samples go straight into the trainer's micro-batch and its TokenBatch view."""
+    from megapkl.parallel import batching as B
+
     engine = engine_for(dense_model, seed=5)
     samples = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, stop_token_ids=STOPS,
                                                          topk_logprobs=3))
-    for s, r in zip(samples, [1.0, -1.0] * 3):
-        s.reward = r
-    packed = pack_samples(samples)
-    lengths = [s.response_len for s in samples]
-    assert packed.lengths.tolist() == lengths
-    assert packed.positions.tolist() == [t + 1 for n in lengths for t in range(n)]
-    assert packed.group_index.tolist() == [0, 0, 1, 1, 2, 2]
-    assert packed.rewards.tolist() == [1.0, -1.0] * 3
-    batch = packed.to_token_batch(logp=packed.logp_behav.clone(), advantages=packed.rewards,
-                                  topk_logp=packed.topk_logp_behav.clone())
-    batch.validate(need_sis=True)
-    assert torch.equal(batch.advantages, packed.per_token(packed.rewards))
+    for s, a in zip(samples, [1.0, -1.0] * 3):
+        s.advantage = a
+    for layout in ("bshd", "thd"):
+        (mb,) = B.make_micro_batches(samples, 1, 2, layout=layout)
+        lengths = [s.response_len for s in samples]
+        batch = B.token_batch(mb, mb.fields["logp_behav"][mb.loss_mask].clone(),
+                              topk_logp=mb.fields["topk_logp_behav"][mb.loss_mask].clone())
+        batch.validate(need_sis=True)
+        assert batch.lengths().tolist() == lengths
+        assert batch.positions.tolist() == [t + 1 for n in lengths for t in range(n)]
+        assert batch.group_index.tolist() == [s.group_id for s in samples]
+        assert torch.equal(batch.token_ids, torch.cat([s.response_ids for s in samples]))
+        assert torch.equal(batch.logp_behav, torch.cat([s.logp_behav for s in samples]))
+        assert batch.advantages.tolist() == [a for s in samples for a in [s.advantage] * s.response_len]
 
 
 def test_argument_validation(dense_model):

@@ -12,20 +12,20 @@ MOE = ["model.name=tiny-qwen3-moe", "model.routing_replay=true", "parallel.data=
 def worker(rank, world, cfg):
     import dataclasses
 
-    from megapkl.train.loop import Trainer, to_response
+    from megapkl.train.loop import Trainer
 
     t = Trainer(cfg)
     t.keep_weights(0)
     samples = t.rollouts.collect(0, [0] * cfg.rollout.prompts_per_batch)
-    responses = [to_response(s) for s in samples]
+    responses = samples
     assert all(r.routed_experts is not None for r in responses)
-    replayed = t.learner.logprobs(responses)
+    replayed = t.learner.logprobs(t.learner.pack(responses))
     experts = t.learner.spec.num_experts
     shifted = [dataclasses.replace(r, routed_experts=(r.routed_experts + 1) % experts) for r in responses]
-    wrong = t.learner.logprobs(shifted)
+    wrong = t.learner.logprobs(t.learner.pack(shifted))
     diff = max(float((replayed[r.uid] - r.logp_behav).abs().max()) for r in responses)
     off = max(float((wrong[r.uid] - r.logp_behav).abs().max()) for r in responses)
-    return diff, off, sum(r.num_actions for r in responses)
+    return diff, off, sum(r.response_len for r in responses)
 
 
 def test_replayed_routing_reproduces_engine_logprobs(dist_run, tmp_path):

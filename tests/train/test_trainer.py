@@ -153,3 +153,17 @@ def test_context_parallel_and_thd_packing_match_plain_layout(dist_run, tmp_path)
         for a, b in zip(runs["cp1"], runs[name]):
             for k in keys:
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (name, a["step"], k)
+
+
+def test_thd_packing_at_cp1_with_token_balanced_micro_batches(dist_run, tmp_path):
+    """THD packing without context parallelism (the local spec's attention refuses packed
+    sequences) and token-budget micro-batches at DP = 2: the run trains and logs finite losses.
+    The ranks start bare, as `megapkl train` starts them: the trainer's entry point installs the
+    CPU compatibility layer itself."""
+    from megapkl.train.local import _rank_main
+
+    cfg = cfg_for(tmp_path, "thd_tokens", "parallel.packing=thd", "train.steps=2",
+                  "parallel.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=8", data=2)
+    dist_run(_rank_main, 2, cfg, timeout=300, install_compat=False)
+    rows = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["loss"]) for r in rows)

@@ -78,7 +78,7 @@ class CommCounter:
 
 
 def make_responses(n: int, seed: int, k: int = 10):
-    from megapkl.parallel.batching import Response
+    from megapkl.rollout.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -86,10 +86,10 @@ def make_responses(n: int, seed: int, k: int = 10):
         p, t = int(torch.randint(64, 512, (1,), generator=g)), int(torch.randint(128, 2048, (1,), generator=g))
         lp = -torch.rand(t, generator=g) * 2
         topk = torch.randint(0, 1000, (t, k), generator=g)
-        out.append(Response(prompt_ids=torch.randint(0, 1000, (p,), generator=g),
+        out.append(Sample(version=0, prompt_ids=torch.randint(0, 1000, (p,), generator=g),
                             response_ids=topk[:, 0].clone(), logp_behav=lp, advantage=float(torch.randn(1, generator=g)),
-                            group=uid // 8, uid=uid, logp_prox=lp + 0.05 * torch.randn(t, generator=g),
-                            topk_ids=topk, topk_logp_behav=-torch.rand(t, k, generator=g) * 2))
+                            group_id=uid // 8, uid=uid, logp_prox=lp + 0.05 * torch.randn(t, generator=g),
+                            topk_ids=topk, topk_logp=-torch.rand(t, k, generator=g) * 2))
     return out
 
 

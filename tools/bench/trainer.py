@@ -36,16 +36,16 @@ def build(args):
 
 
 def responses(args, g):
-    from megapkl.parallel.batching import Response
+    from megapkl.rollout.sample import Sample
 
     out = []
     for i in range(args.responses):
         p, r = args.prompt, args.response
         logp = -torch.rand(r, generator=g) * 3
-        out.append(Response(prompt_ids=torch.randint(3, args.vocab, (p,), generator=g),
+        out.append(Sample(version=0, prompt_ids=torch.randint(3, args.vocab, (p,), generator=g),
                             response_ids=torch.randint(3, args.vocab, (r,), generator=g),
                             logp_behav=logp, logp_prox=logp + 0.01 * torch.randn(r, generator=g),
-                            advantage=float(torch.randn((), generator=g)), group=i // 8, uid=i))
+                            advantage=float(torch.randn((), generator=g)), group_id=i // 8, uid=i))
     return out
 
 
@@ -58,7 +58,8 @@ def bare_step(learner, mbs):
         n = max(1, lp.numel())
         return -lp.sum(), torch.tensor(n, dtype=torch.int), None
 
-    ML.run_schedule(learner.model, mbs, ML.make_forward_step(loss_func), forward_only=False)
+    ML.run_schedule(learner.model, mbs, ML.make_forward_step(loss_func), forward_only=False,
+                    groups=learner.groups)
 
 
 def trainer_step(learner, mbs, step):
@@ -87,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg, learner = build(args)
-    mbs = learner.micro_batches(responses(args, torch.Generator().manual_seed(0)))
+    mbs = learner.pack(responses(args, torch.Generator().manual_seed(0)))
     from megapkl.models.optimizer import zero_grads
 
     bare, ours = [], []
