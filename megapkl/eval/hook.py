@@ -84,12 +84,14 @@ class Evaluator:
         records = []
         if stage.engine is not None:
             previous = stage.engine.version
+            if stage.transform is not None:  # FP8 rollouts: the engine only ever gets FP8
+                weights = stage.transform(weights)
             stage.engine.update_weights(weights, version=version)
             records = evaluate(stage.engine, self.benchmarks, self.cfg, t.cfg.rollout, step=version,
                                seed=t.cfg.seed, scoring=self.scoring,
                                share=(t.groups.dp_rank, t.groups.dp_size))
-            if previous is not None and previous != version and previous in stage.pool:
-                stage.engine.update_weights(stage.pool[previous], previous)
+            if previous is not None and previous != version and previous in stage.store.versions():
+                stage._use_version(previous)  # back to the version rollouts were using
         else:
             for _ in weights:
                 pass

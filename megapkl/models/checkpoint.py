@@ -59,14 +59,17 @@ def _model_sharded(chunks: list) -> dict:
     return {_model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-def _layout() -> dict:
-    from megatron.core import parallel_state as ps
+def _groups(groups: Any) -> Any:
+    """The run's `ParallelGroups` (megatron's own groups, taken once, when none is given)."""
+    if groups is not None:
+        return groups
+    from megapkl.parallel.groups import ParallelGroups
 
-    return dict(tp=ps.get_tensor_model_parallel_world_size(),
-                pp=ps.get_pipeline_model_parallel_world_size(),
-                ep=ps.get_expert_model_parallel_world_size(),
-                dp=ps.get_data_parallel_world_size(),
-                cp=ps.get_context_parallel_world_size())
+    return ParallelGroups.from_megatron()
+
+
+def _layout(g: Any) -> dict:
+    return dict(tp=g.tp_size, pp=g.pp_size, ep=g.ep_size, dp=g.dp_size, cp=g.cp_size)
 
 
 # ------------------------------------------------------------------ RNG
@@ -92,16 +95,12 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rng_sharded(state: Any) -> Any:
-    from megatron.core import parallel_state as ps
+def _rng_sharded(state: Any, g: Any) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     # One object per (PP, TP) rank; data-parallel replicas hold the same streams.
-    return ShardedObject(
-        "rng_state", state,
-        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject("rng_state", state, (g.pp_size, g.tp_size), (g.pp_rank, g.tp_rank),
+                         replica_id=g.dp_cp_rank)
 
 
 # ------------------------------------------------------------------ optimizer
@@ -232,11 +231,13 @@ def _in_process_writes() -> Iterator[None]:
 
 
 def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
-                    scheduler: Any = None, *, step: int = 0, extra: Optional[dict] = None
-                    ) -> None:
-    """Write a distributed checkpoint (collective over all ranks) into directory `path`."""
+                    scheduler: Any = None, *, step: int = 0, extra: Optional[dict] = None,
+                    groups: Any = None) -> None:
+    """Write a distributed checkpoint (collective over all ranks) into directory `path`.
+    `groups`: the run's ParallelGroups (default: megatron's, taken once)."""
     from megatron.core import dist_checkpointing
 
+    g = _groups(groups)
     chunks = model_chunks(model)
     path = Path(path)
     if torch.distributed.get_rank() == 0:
@@ -250,8 +251,8 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
         merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
         state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=False,
                                                           metadata=SHARDING)
-    state["rng_state"] = _rng_sharded(_rng_state())
-    state["common"] = dict(step=int(step), extra=dict(extra or {}), layout=_layout(),
+    state["rng_state"] = _rng_sharded(_rng_state(), g)
+    state["common"] = dict(step=int(step), extra=dict(extra or {}), layout=_layout(g),
                            adam_step=None if optimizer is None else _adam_step(optimizer),
                            scheduler=None if scheduler is None else scheduler.state_dict())
     writes = _in_process_writes() if _needs_in_process_writes() else contextlib.nullcontext()
@@ -261,11 +262,12 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
 
 
 def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
-                    scheduler: Any = None, *, load_rng: bool = True, strict: bool = True
-                    ) -> LoadResult:
+                    scheduler: Any = None, *, load_rng: bool = True, strict: bool = True,
+                    groups: Any = None) -> LoadResult:
     """Load a checkpoint written by `save_checkpoint` at any TP/PP/DP layout (collective)."""
     from megatron.core import dist_checkpointing
 
+    g = _groups(groups)
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"no megatron distributed checkpoint at {path} "
@@ -273,7 +275,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
     chunks = model_chunks(model)
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     # RNG streams are per (TP, PP, EP, CP) rank; data-parallel replicas share them.
-    same_layout = all(common["layout"].get(k) == v for k, v in _layout().items() if k != "dp")
+    same_layout = all(common["layout"].get(k) == v for k, v in _layout(g).items() if k != "dp")
     model_sd = _model_sharded(chunks)
     template: dict[str, Any] = dict(model_sd)
     if optimizer is not None:
@@ -281,7 +283,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
         template["optimizer_param_state"] = _optimizer_template(optimizer, merged)
     restore_rng = load_rng and same_layout
     if restore_rng:
-        template["rng_state"] = _rng_sharded(_rng_state())
+        template["rng_state"] = _rng_sharded(_rng_state(), g)
     loaded = dist_checkpointing.load(template, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=strict)

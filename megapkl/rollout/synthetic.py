@@ -9,7 +9,7 @@ RL from a random init gets any signal (`answer_mode`):
   EOS) spells digit (v - 48) mod 10, so '0'..'9' are themselves and every other token is one of
   about 12 alternative spellings of some digit. A uniform policy is right 125/1280 = 9.8% of the
   time, every digit is equally reachable (no shared "write digit d" direction for the policy to
-  collapse onto), and RL learns the table: see `megapkl.rollout.sanity` for the measured curves.
+  collapse onto), and RL learns the table: see tests/rollout/sanity.py for the measured curves.
   Tokens after the first do not affect the reward but still enter a per-token policy gradient as
   noise: keep max_response_len small (measured for add_mod10 with REINFORCE, 100 prompts x 8:
   L = 1 or 2 learn within 250 updates, L = 4 and 8 stay at chance).

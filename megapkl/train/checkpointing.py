@@ -106,7 +106,8 @@ def _write(trainer, tmp: Path, step: int) -> None:
     from megapkl.models.checkpoint import save_checkpoint
 
     learner, rank = trainer.learner, dist.get_rank()
-    save_checkpoint(tmp / "model", learner.model, learner.optimizer, learner.scheduler, step=step)
+    save_checkpoint(tmp / "model", learner.model, learner.optimizer, learner.scheduler, step=step,
+                    groups=trainer.groups)
     trainer_state.save_snapshots(learner, tmp / "snapshots")
     state = trainer_state.gather(trainer, step, tmp)  # collective; None except on rank 0
     if rank == 0:
@@ -258,7 +259,8 @@ def _load_model(trainer, path: Path) -> None:
 
     learner = trainer.learner
     try:
-        load_checkpoint(path, learner.model, learner.optimizer, learner.scheduler)
+        load_checkpoint(path, learner.model, learner.optimizer, learner.scheduler,
+                        groups=trainer.groups)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {path}: megatron cannot load it "
                               f"({type(exc).__name__}: {' '.join(str(exc).split())[:400]})") from None

@@ -1,8 +1,8 @@
 """Smoke test of the REINFORCE sanity script (the learning curve itself is recorded by running
-`python -m megapkl.rollout.sanity`; it takes minutes, too long for the test suite)."""
+`python tests/rollout/sanity.py`; it takes minutes, too long for the test suite)."""
 from __future__ import annotations
 
-from megapkl.rollout.sanity import run
+from sanity import run  # tests/rollout/sanity.py
 
 
 def test_sanity_script_runs_and_reports():

@@ -1,7 +1,7 @@
 """Sanity check of a synthetic task: can plain REINFORCE teach a tiny random model on CPU?
 
-    python -m megapkl.rollout.sanity                       # add_mod10, 250 steps of 100 x 8
-    python -m megapkl.rollout.sanity --task next_mod10 --max-new-tokens 2 --steps 100
+    python tests/rollout/sanity.py                         # add_mod10, 250 steps of 100 x 8
+    python tests/rollout/sanity.py --task next_mod10 --max-new-tokens 2 --steps 100
 
 No megatron, no objectives library: a tiny Hugging Face Qwen3 (vocab 128, hidden 64, 2 layers) is
 the learner, the embedded engine samples from weights pushed every step (on-policy, so the push path
