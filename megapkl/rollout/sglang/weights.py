@@ -52,20 +52,13 @@ def identity(named_tensors: NamedTensors) -> NamedTensors:
 
 def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
             ) -> Iterator[NamedTensors]:
-    """Consecutive groups of at most `bucket_bytes` (a tensor larger than that is a group alone)."""
+    """Consecutive groups of at most `bucket_bytes` (a tensor larger than that is a group alone):
+    the grouping the HF checkpoint writer shards by."""
+    from megapkl.models.hf import bucketed
+
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
-    group: NamedTensors = []
-    size = 0
-    for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
-        if group and size + nbytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group.append((name, t))
-        size += nbytes
-    if group:
-        yield group
+    return bucketed(named_tensors, bucket_bytes)
 
 
 def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
