@@ -1,7 +1,7 @@
 """Benchmark: peak memory of the training pass on skewed response lengths, fixed-count vs
 token-balanced micro-batches, against a batch of uniform lengths with the same token count.
 
-    python tools/bench/microbatch_memory.py [--responses 32 --long 4 --base 64 --stretch 8]
+    python tools/bench/microbatch_memory.py [--responses 32 --long 4 --base 60 --stretch 8]
 
 One minibatch of `--responses` responses whose response lengths are `--base` tokens except
 `--long` of them, `--stretch` times longer (the skew of RL rollouts: a few long answers), and a
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--responses", type=int, default=32)
     ap.add_argument("--long", type=int, default=4)
-    ap.add_argument("--base", type=int, default=64)
+    ap.add_argument("--base", type=int, default=60)
     ap.add_argument("--stretch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4, help="responses per fixed-count micro-batch")
