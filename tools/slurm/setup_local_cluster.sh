@@ -5,8 +5,9 @@
 #   sudo bash tools/slurm/stop_local_cluster.sh      # cancels jobs, stops every daemon started here
 #
 # What runs: munged, MariaDB (unix socket only, --skip-networking), slurmdbd (accounting: submitit
-# polls sacct), slurmctld, and one slurmd for the node `localhost`. No cgroups, no systemd.
-# Facts behind each setting: ../shared/notes/local-slurm.md (measured on Debian 12 CI machines).
+# polls sacct), slurmctld, one slurmd for the node `localhost` and, for two-node jobs, one slurmd
+# in each of two network namespaces (nodes mpn1, mpn2). No cgroups, no systemd. The comments at
+# each setting below say why it is set (measured on Debian 12 CI machines).
 #
 # Idempotent: a second call leaves running daemons alone (and restarts the Slurm daemons only when
 # the generated configuration changed). It refuses to overwrite an /etc/slurm/slurm.conf it did not
