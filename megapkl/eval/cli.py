@@ -77,7 +77,8 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     import json
 
     from megapkl.config import load_config
-    from megapkl.eval.hook import build_engine, eval_tokenizer
+    from megapkl.eval.hook import eval_tokenizer
+    from megapkl.train.rollouts import build_run_engine
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
 
@@ -88,7 +89,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     tokenizer = eval_tokenizer(cfg)
     benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
     spec, weights = policy_weights(cfg, ckpt)
-    engine = build_engine(cfg, spec, tokenizer)
+    engine = build_run_engine(cfg, spec, tokenizer)
     scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
     try:
         engine.update_weights(weights, version=version)

@@ -31,17 +31,6 @@ def eval_tokenizer(cfg) -> Any:
     return AutoTokenizer.from_pretrained(source)
 
 
-def build_engine(cfg, spec, tokenizer):
-    """The run's rollout engine (rollout.engine), empty: weights come through update_weights."""
-    from megapkl.models.provider import engine_placement
-    from megapkl.models.spec import hf_config_dict
-    from megapkl.rollout.factory import build_engine as build
-
-    device, dtype = engine_placement(cfg.model.dtype)
-    return build(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]), tokenizer,
-                 device=device, dtype=dtype)
-
-
 class Evaluator:
     """Owned by the trainer; `after_update(u)` returns the metrics to merge into update u's row."""
 

@@ -55,6 +55,18 @@ def build_tokenizer_and_data(cfg):
     return tokenizer, dataset, task
 
 
+def build_run_engine(cfg, spec, tokenizer):
+    """The run's rollout engine (rollout.engine) on the device and in the dtype the trainer's
+    model dtype calls for; empty: weights come through update_weights."""
+    from megapkl.models.provider import engine_placement
+    from megapkl.models.spec import hf_config_dict
+    from megapkl.rollout.factory import build_engine
+
+    device, dtype = engine_placement(cfg.model.dtype)
+    return build_engine(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]), tokenizer,
+                        device=device, dtype=dtype)
+
+
 class RolloutStage:
     def __init__(self, cfg, spec, *, dp_rank: int, dp_size: int, leader: bool,
                  replica_group: Any, dp_group: Any) -> None:
@@ -84,13 +96,7 @@ class RolloutStage:
         self.loads = {"rollout/versions_loaded": 0.0, "time/version_load_s": 0.0}
         self.engine = None
         if leader:
-            from megapkl.models.provider import engine_placement
-            from megapkl.models.spec import hf_config_dict
-            from megapkl.rollout.factory import build_engine
-
-            device, dtype = engine_placement(cfg.model.dtype)
-            self.engine = build_engine(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]),
-                                       self.tokenizer, device=device, dtype=dtype)
+            self.engine = build_run_engine(cfg, spec, self.tokenizer)
 
     # ------------------------------------------------------------------ weights
 
