@@ -312,7 +312,8 @@ class ServeState:
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
         with self._weights_context():
             try:
-                self.engine.update_weights(named, version=self._engine_version + 1)
+                # Decoded payloads, broadcast buffers and disk reads belong to this request alone.
+                self.engine.update_weights(named, version=self._engine_version + 1, copy=False)
             except WeightUpdateError as exc:
                 raise RequestError(str(exc)) from None
             self._engine_version += 1
