@@ -50,7 +50,7 @@ def sglang_overrides(model: str, run_dir: Path, *extra_args: str) -> list[str]:
     return ["rollout.engine=sglang", f"rollout.sglang.server_command={serve_command(model)}",
             f"rollout.sglang.extra_args={json.dumps(list(extra_args))}",
             "rollout.sglang.num_engines=2", "rollout.sglang.use_router=true",
-            "rollout.sglang.router_policy=round_robin", "rollout.sglang.base_port=37100",
+            "rollout.sglang.router_policy=round_robin", "rollout.sglang.base_port=36600",
             "rollout.sglang.startup_timeout_s=240", "rollout.sglang.health_interval_s=2",
             "rollout.sglang.no_engine_timeout_s=120", f"run_dir={run_dir}"]
 
@@ -60,12 +60,13 @@ def tiny_overrides(model: str) -> list[str]:
     return [f"model.name={model}", "model.hf_checkpoint=null", "model.num_layers=null",
             "model.num_experts=null", "model.dtype=fp32", "model.recompute=none",
             "parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1", "parallel.expert=1",
-            "parallel.sequence_parallel=false", "parallel.data=1", "parallel.micro_batch_size=8",
+            "parallel.sequence_parallel=false", "parallel.data=1", "parallel.micro_batch_size=4",
             "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
             "rollout.max_prompt_len=16", "rollout.max_response_len=4",
             "data.train_path=null", "data.synthetic=next_mod10", "data.prompt_template=raw",
             "reward.type=synthetic", "eval.every=0", "eval.benchmarks=[]",
-            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.every=0"]
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.every=0",
+            "slurm.nodes=null", "slurm.gpus_per_node=null"]
 
 
 def generate_counts(run_dir: Path) -> dict[str, int]:
@@ -80,11 +81,14 @@ def generate_counts(run_dir: Path) -> dict[str, int]:
     return counts
 
 
-def assert_served_through_router(run_dir: Path) -> dict[str, int]:
+def assert_served(run_dir: Path, *, via_router: bool = True) -> dict[str, int]:
+    """Both launched workers answered /generate requests, every one through the router (or, for
+    routing replay, none: the router drops `return_routed_experts`, so R3 goes direct)."""
     counts = generate_counts(run_dir)
     assert set(counts) == {"engine0", "engine1", "router"}, counts
     assert counts["engine0"] > 0 and counts["engine1"] > 0, counts  # round robin: both served
-    assert counts["router"] == counts["engine0"] + counts["engine1"], counts  # all via the router
+    through = counts["engine0"] + counts["engine1"] if via_router else 0
+    assert counts["router"] == through, counts
     return counts
 
 
@@ -99,9 +103,91 @@ def test_demo_learns_through_router_with_launched_servers(dist_run, tmp_path):
     acc = [r["train/accuracy"] for r in rows]
     assert len(acc) == STEPS
     assert all(r["staleness/max"] == 0 for r in rows)  # on-policy: versions as the servers stamp
-    counts = assert_served_through_router(run)
+    counts = assert_served(run)
     first, last = sum(acc[:WINDOW]) / WINDOW, sum(acc[-WINDOW:]) / WINDOW
     print(f"\n[learning via sglang-router] mean train/accuracy: updates 0-{WINDOW - 1}: "
-          f"{first:.3f}, updates {STEPS - WINDOW}-{STEPS - 1}: {last:.3f} (target >= {TARGET}); /generate requests {counts}")
-    assert last >= TARGET, f"the demo task did not learn through the router: accuracy {first:.3f}" \
-                           f" -> {last:.3f} (target >= {TARGET}); curve {[round(a, 2) for a in acc]}"
+          f"{first:.3f}, updates {STEPS - WINDOW}-{STEPS - 1}: {last:.3f} (target >= {TARGET}); "
+          f"/generate requests {counts}")
+    curve = [round(a, 2) for a in acc]
+    assert last >= TARGET, f"the demo task did not learn through the router: accuracy " \
+                           f"{first:.3f} -> {last:.3f} (target >= {TARGET}); curve {curve}"
+
+
+def train_and_keep_last_batch(rank, world, cfg):
+    """One trainer rank: run every update, then describe the last batch's samples."""
+    from megapkl.train import checkpointing as ckpt
+    from megapkl.train.loop import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+        return [{"version": s.version, "prompt_len": s.prompt_len, "response_len": s.response_len,
+                 "topk": None if s.topk_logp is None else tuple(s.topk_logp.shape),
+                 "experts": None if s.routed_experts is None else tuple(s.routed_experts.shape)}
+                for s in trainer.batch]
+    finally:
+        ckpt.end(trainer)
+        trainer.rollouts.engine.close()
+
+
+PAPER_RUNS = {
+    # PKL Table 4: periodic refresh (N = 64, L = 16), Proximal KL, FP8 rollouts. The trainer
+    # pushes FP8 weights; activation quantization and the BF16 KV cache are SGLang server flags
+    # (--quantization, --kv-cache-dtype) that `megapkl serve` does not have.
+    "pkl_t4": ("pkl_periodic/qwen3_1p7b_pkl.yaml", "tiny-qwen3", ()),
+    # SIS Fig. 4: Qwen3-30B-A3B DAPO + SIS (top-K 30) + routing replay, N = 4 minibatches.
+    "sis_30b_a3b_r3": ("sis_math/qwen3_30b_a3b_dapo_sis_r3.yaml", "tiny-qwen3-moe",
+                       ("--enable-return-routed-experts",)),
+}
+
+
+def _finite(rows, *keys):
+    for r in rows:
+        for k in keys:
+            assert k in r and math.isfinite(r[k]), (k, r.get(k))
+
+
+def check_pkl_t4(rows, batch, counts):
+    """Periodic refresh, N = 64: every batch comes from version 0, so staleness grows by one per
+    update, as the servers stamp it. FP8 rollouts: the servers generate from FP8-rounded weights
+    (measured max |log mu - log pi| 8e-3 at the same version; 5e-7 with rollout.fp8=false)."""
+    _finite(rows, "pkl/credit_mean", "pkl/cost_clip_frac", "kl/prox_k3", "is/log_dev", "coef/mean")
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2]
+    assert {s["version"] for s in batch} == {0}
+    assert 1e-4 < rows[0]["mismatch/abs_log_ratio_max"] < 0.1
+    assert counts["router"] > 0  # generation through the router
+
+
+def check_sis_r3(rows, batch, counts):
+    """On-policy batch, N = 4 minibatches: staleness 0, 1, 2 within it. SIS logs its metrics and
+    reads the servers' top-30 log-probs; every sample carries the experts it was routed through
+    (P + R - 1 rows x 2 layers x top-2), and the trainer, replaying them, gets the servers'
+    log-probs back. sglang-router drops `return_routed_experts`: R3 goes to the workers directly."""
+    _finite(rows, "sis/accept_rate", "sis/log_dev", "sis/xi_k", "clip/frac")
+    assert all(0.0 <= r["sis/accept_rate"] <= 1.0 for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2]
+    assert {s["version"] for s in batch} == {0}
+    for s in batch:
+        assert s["topk"] == (s["response_len"], 30)
+        assert s["experts"] == (s["prompt_len"] + s["response_len"] - 1, 2, 2)
+    assert rows[0]["mismatch/abs_log_ratio_max"] < 1e-4
+    assert counts["router"] == 0
+
+
+PAPER_CHECKS = {"pkl_t4": check_pkl_t4, "sis_30b_a3b_r3": check_sis_r3}
+
+
+@pytest.mark.parametrize("run", sorted(PAPER_RUNS))
+def test_paper_config_runs_through_router(run, dist_run, tmp_path):
+    """A paper run with tiny-model overrides, 3 updates through launched servers + sglang-router."""
+    from megapkl.train.metrics_log import read_metrics
+
+    path, model, worker_args = PAPER_RUNS[run]
+    out = tmp_path / run
+    cfg = load_config(EXPERIMENTS / path, [*tiny_overrides(model), "train.steps=3",
+                                           *sglang_overrides(model, out, *worker_args)])
+    batch = dist_run(train_and_keep_last_batch, 1, cfg, timeout=300)[0]
+    rows = read_metrics(out)
+    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+    counts = assert_served(out, via_router=not cfg.model.routing_replay)
+    PAPER_CHECKS[run](rows, batch, counts)
