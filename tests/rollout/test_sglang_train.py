@@ -16,6 +16,7 @@ stops them all when the run ends.
    with a BF16 KV cache) and the SIS Qwen3-30B-A3B DAPO + SIS + routing-replay run, each with
    tiny-model overrides, for a few updates: finite losses, the method's metrics, staleness as the
    servers stamp it, and (R3) the experts each sample was generated with.
+3. Why R3 generation bypasses the router: the pinned sglang-router drops `return_routed_experts`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from megapkl.config import load_config
+from sglang_fixtures import http, make_serve_cluster  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("configs/demo"), reason="run from the repo root")
 
@@ -191,3 +193,18 @@ def test_paper_config_runs_through_router(run, dist_run, tmp_path):
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
     counts = assert_served(out, via_router=not cfg.model.routing_replay)
     PAPER_CHECKS[run](rows, batch, counts)
+
+
+def test_router_drops_routed_experts_so_r3_bypasses_it(make_serve_cluster):
+    """Why R3 generation skips the router: the pinned sglang-router forwards /generate without
+    `return_routed_experts`, so the answer through it has no routed_experts (when a router
+    release keeps the field, this fails and the bypass in SGLangEngine can go)."""
+    cluster = make_serve_cluster(num_workers=1, model_config="tiny-qwen3-moe",
+                                 worker_args=["--enable-return-routed-experts"])
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
+            "return_routed_experts": True}
+    direct = http("POST", cluster.worker_urls[0] + "/generate", body)
+    routed = http("POST", cluster.router_url + "/generate", body)
+    assert direct[0] == routed[0] == 200, (direct, routed)
+    assert "routed_experts" in direct[1]["meta_info"]
+    assert "routed_experts" not in routed[1]["meta_info"]
