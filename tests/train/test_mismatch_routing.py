@@ -1,0 +1,79 @@
+"""MoE routing mismatch (mismatch/routing_disagree): the engine's routed experts against the
+trainer's own routing on the real megatron-core tiny Qwen3-MoE, with the embedded engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapkl.config import load_config
+from megapkl.train.mismatch import layer_differs, routing_parts
+
+MOE = ["model.name=tiny-qwen3-moe", "model.routing_replay=true", "logging.tensorboard=false",
+       "logging.progress_bar=false", "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
+       "rollout.max_response_len=4", "parallel.micro_batch_size=8", "rollout.temperature=0.8",
+       "checkpoint.every=0", "reference.mode=snapshot"]
+
+
+def test_sets_not_order_and_counted_rows_only():
+    engine = [torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([[2, 3], [0, 1], [3, 2]])]
+    own = [torch.tensor([[1, 0], [2, 1], [0, 1]]), torch.tensor([[3, 2], [0, 1], [3, 1]])]
+    d = layer_differs(engine, own)
+    assert d.tolist() == [[False, False], [True, False], [False, True]]
+    parts = routing_parts(d, torch.tensor([True, True, False]))
+    assert parts.tolist() == [2.0, 1.0, 1.0, 0.0]   # tokens, any layer, layer 0, layer 1
+
+
+def _perturb_routers(model, scale: float) -> None:
+    from megapkl.models.replay import moe_routers
+
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, router in moe_routers(model):
+            w = router.weight
+            w.add_(scale * w.abs().mean() * torch.randn(w.shape, generator=gen).to(w))
+
+
+def worker(rank, world, cfg):
+    """Measured at a fresh version (the learner holds the weights that generated the samples):
+    as is, and after perturbing the trainer's router weights; plus the routers' own choice under
+    a replay of deliberately wrong experts (the first MoE layer's choice must not move)."""
+    import dataclasses
+
+    from megapkl.train.loop import Trainer
+    from megapkl.train.mismatch import exact_version_metrics
+
+    t = Trainer(cfg)
+    t.keep_weights(0)
+    plan = t.schedule.plan(0)
+    samples = t.rollouts.collect(0, list(plan.group_versions))
+    mbs = t.learner.pack(samples)
+    exact = exact_version_metrics(t, samples, mbs, plan)
+    # R3 on wrong experts changes the forward, not what the routers would pick
+    experts = t.learner.spec.num_experts
+    shifted = [dataclasses.replace(s, routed_experts=(s.routed_experts + 1) % experts)
+               for s in samples]
+    with t.learner.own_routing() as own_right:
+        t.learner.logprobs(mbs)
+    with t.learner.own_routing() as own_wrong:
+        t.learner.logprobs(t.learner.pack(shifted))
+    # layer 0's input does not depend on any routing: its own choice must not move (later
+    # layers see the hidden states the wrong experts produced)
+    same_own = all(torch.equal(x[0], y[0]) for x, y in zip(own_right, own_wrong, strict=True))
+    _perturb_routers(t.learner.model, 0.3)
+    perturbed = exact_version_metrics(t, samples, mbs, plan)
+    return exact, perturbed, same_own
+
+
+def test_fresh_version_zero_and_perturbed_positive(dist_run, tmp_path):
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*MOE, "parallel.data=1",
+                                                    f"run_dir={tmp_path / 'r'}"])
+    exact, perturbed, same_own = dist_run(worker, 1, cfg, timeout=240)[0]
+    print(f"routing disagreement: exact {exact.get('mismatch/routing_disagree')} "
+          f"perturbed {perturbed.get('mismatch/routing_disagree')} over "
+          f"{exact.get('mismatch/routing_tokens')} tokens; {perturbed}")
+    assert exact["mismatch/routing_tokens"] == exact["mismatch/tokens"] > 0
+    assert exact["mismatch/routing_disagree"] == 0.0
+    assert same_own, "the recorded routing followed the replayed experts, not the router"
+    assert perturbed["mismatch/routing_disagree"] > 0.05
+    layers = [perturbed[f"mismatch/routing_disagree_layer{i}"] for i in range(2)]
+    assert max(layers) <= perturbed["mismatch/routing_disagree"] <= sum(layers)
