@@ -59,6 +59,10 @@ def worker(rank, world, cfg):
     # layer 0's input does not depend on any routing: its own choice must not move (later
     # layers see the hidden states the wrong experts produced)
     same_own = all(torch.equal(x[0], y[0]) for x, y in zip(own_right, own_wrong, strict=True))
+    # an engine that returns no routing: the routing metrics are absent, not zero
+    bare = [dataclasses.replace(s, routed_experts=None) for s in samples]
+    absent = exact_version_metrics(t, bare, t.learner.pack(bare), plan)
+    assert "mismatch/k3_kl" in absent and not any("routing" in k for k in absent), absent
     _perturb_routers(t.learner.model, 0.3)
     perturbed = exact_version_metrics(t, samples, mbs, plan)
     return exact, perturbed, same_own
@@ -77,3 +81,71 @@ def test_fresh_version_zero_and_perturbed_positive(dist_run, tmp_path):
     assert perturbed["mismatch/routing_disagree"] > 0.05
     layers = [perturbed[f"mismatch/routing_disagree_layer{i}"] for i in range(2)]
     assert max(layers) <= perturbed["mismatch/routing_disagree"] <= sum(layers)
+
+
+def fp8_samples_worker(rank, world, cfg):
+    """One process: FP8 rollouts at version 0 and the metrics the trainer logs for them."""
+    from megapkl.train.loop import Trainer
+    from megapkl.train.mismatch import exact_version_metrics
+
+    t = Trainer(cfg)
+    t.keep_weights(0)
+    plan = t.schedule.plan(0)
+    t.new_batch(plan)
+    mine = t.minibatch(plan)
+    return exact_version_metrics(t, mine, t.learner.pack(mine), plan), mine
+
+
+def layout_worker(rank, world, cfg, samples):
+    """The same samples measured at another layout: each data-parallel rank takes a contiguous
+    share (other micro-batches than on one process)."""
+    from megapkl.train.loop import Trainer
+    from megapkl.train.mismatch import exact_version_metrics
+
+    t = Trainer(cfg)
+    plan = t.schedule.plan(0)
+    per = len(samples) // t.groups.dp_size
+    mine = samples[t.groups.dp_rank * per:(t.groups.dp_rank + 1) * per]
+    return exact_version_metrics(t, mine, t.learner.pack(mine), plan)
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(tmp_path_factory, megatron_loaded):
+    """A tiny HF Qwen3-MoE checkpoint (identical weights at every layout), FP8 rollouts from it
+    on one process, and the routing mismatch measured there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from megapkl.parallel.forked import run_forked
+    from tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8_routing")
+    ckpt = make_checkpoint(str(root / "hf"), moe=True, seed=0)
+    fp8 = [*MOE, "rollout.fp8=true", "rollout.prompts_per_batch=8", "rollout.max_response_len=8",
+           f"model.hf_checkpoint={ckpt.path}"]
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*fp8, "parallel.data=1", f"run_dir={root / 'one'}"])
+    metrics, samples = run_forked(fp8_samples_worker, 1, cfg, timeout=240)[0]
+    return fp8, root, metrics, samples
+
+
+@pytest.mark.parametrize("layout", [["parallel.data=2", "parallel.expert=2"],
+                                    ["parallel.data=1", "parallel.tensor=2",
+                                     "parallel.sequence_parallel=true"],
+                                    ["parallel.data=1", "parallel.context=2", "parallel.packing=thd"]],
+                         ids=["dp2-ep2", "tp2-sp", "cp2-thd"])
+def test_fp8_routing_mismatch_is_layout_invariant(dist_run, fp8_reference, layout):
+    """FP8 rollouts move the engine's routing; the same samples give the same value on one
+    process and on two (DP2 x EP2, or TP2 with sequence parallelism: tokens split over TP)."""
+    fp8, root, ref, samples = fp8_reference
+    name = "-".join(x.split("=")[0].split(".")[-1] for x in layout)
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*fp8, *layout, f"run_dir={root / name}"])
+    got = dist_run(layout_worker, 2, cfg, samples, timeout=240)
+    print(f"fp8 routing disagreement: one process {ref.get('mismatch/routing_disagree')}, "
+          f"{layout}: {[g.get('mismatch/routing_disagree') for g in got]}; {ref}")
+    assert ref["mismatch/routing_disagree"] > 0.03
+    for g in got:
+        assert g["mismatch/routing_tokens"] == ref["mismatch/routing_tokens"] > 0
+        for key, value in ref.items():
+            if "routing" in key:
+                assert g[key] == pytest.approx(value, abs=1e-12), key
