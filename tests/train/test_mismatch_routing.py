@@ -132,11 +132,13 @@ def fp8_reference(tmp_path_factory, megatron_loaded):
 @pytest.mark.parametrize("layout", [["parallel.data=2", "parallel.expert=2"],
                                     ["parallel.data=1", "parallel.tensor=2",
                                      "parallel.sequence_parallel=true"],
-                                    ["parallel.data=1", "parallel.context=2", "parallel.packing=thd"]],
-                         ids=["dp2-ep2", "tp2-sp", "cp2-thd"])
+                                    ["parallel.data=1", "parallel.context=2", "parallel.packing=thd"],
+                                    ["parallel.data=1", "parallel.pipeline=2"]],
+                         ids=["dp2-ep2", "tp2-sp", "cp2-thd", "pp2"])
 def test_fp8_routing_mismatch_is_layout_invariant(dist_run, fp8_reference, layout):
     """FP8 rollouts move the engine's routing; the same samples give the same value on one
-    process and on two (DP2 x EP2, or TP2 with sequence parallelism: tokens split over TP)."""
+    process and on two: DP2 x EP2, TP2 with sequence parallelism (tokens split over TP), CP2 with
+    THD packing, PP2 (one MoE layer per stage, merged per token)."""
     fp8, root, ref, samples = fp8_reference
     name = "-".join(x.split("=")[0].split(".")[-1] for x in layout)
     cfg = load_config("configs/demo/cpu_demo.yaml", [*fp8, *layout, f"run_dir={root / name}"])
