@@ -151,3 +151,19 @@ def test_fp8_routing_mismatch_is_layout_invariant(dist_run, fp8_reference, layou
         for key, value in ref.items():
             if "routing" in key:
                 assert g[key] == pytest.approx(value, abs=1e-12), key
+
+
+def test_train_loop_logs_routing_mismatch(dist_run, tmp_path):
+    """Through the train loop: the logged row of update 0 carries the routing metrics (per_batch
+    reference: the log-prob metrics reuse logp_prox, the routing still needs its forward)."""
+    from megapkl.train.local import _rank_main
+    from megapkl.train.metrics_log import read_metrics
+
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*MOE, "parallel.data=1", "train.steps=1",
+                                                    "reference.mode=per_batch",
+                                                    f"run_dir={tmp_path / 'loop'}"])
+    dist_run(_rank_main, 1, cfg, timeout=240)
+    row = read_metrics(cfg.run_dir)[0]
+    assert row["mismatch/routing_tokens"] == row["mismatch/tokens"] > 0
+    assert row["mismatch/routing_disagree"] == 0.0
+    assert {"mismatch/routing_disagree_layer0", "mismatch/routing_disagree_layer1"} <= set(row)
