@@ -103,19 +103,17 @@ def finalize(sums: Tensor, top: Tensor, route: Optional[Tensor] = None) -> dict[
 def mismatch_metrics(logp_behav, logp_trainer, experts_behav=None, experts_trainer=None
                      ) -> dict[str, float]:
     """The metrics of one process's responses (see the module docstring); experts, when given,
-    are one [rows, layers, k] tensor per response (every row counted)."""
+    are one [rows, layers, k] tensor (or None) per response, every row counted."""
+    diffs = []
+    for b, t in zip(experts_behav or [], experts_trainer or [], strict=True):
+        if b is not None and t is not None:
+            if b.shape != t.shape:
+                raise ValueError(f"routed experts {list(b.shape)} vs {list(t.shape)}")
+            diffs.append(layer_differs(b.unbind(1), t.unbind(1)))
     route = None
-    if experts_behav is not None and experts_trainer is not None:
-        pairs = [(b, t) for b, t in zip(experts_behav, experts_trainer, strict=True)
-                 if b is not None and t is not None]
-        if pairs:
-            diffs = []
-            for b, t in pairs:
-                if b.shape != t.shape:
-                    raise ValueError(f"routed experts {list(b.shape)} vs {list(t.shape)}")
-                diffs.append(layer_differs(b.unbind(1), t.unbind(1)))
-            d = torch.cat(diffs)
-            route = routing_parts(d, torch.ones(d.shape[0], dtype=torch.bool))
+    if diffs:
+        d = torch.cat(diffs)
+        route = routing_parts(d, torch.ones(d.shape[0], dtype=torch.bool))
     return finalize(*mismatch_parts(logp_behav, logp_trainer), route)
 
 

@@ -9,9 +9,10 @@ from megapkl.config import load_config
 from megapkl.train.mismatch import layer_differs, routing_parts
 
 MOE = ["model.name=tiny-qwen3-moe", "model.routing_replay=true", "logging.tensorboard=false",
-       "logging.progress_bar=false", "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
-       "rollout.max_response_len=4", "parallel.micro_batch_size=8", "rollout.temperature=0.8",
-       "checkpoint.every=0", "reference.mode=snapshot"]
+       "logging.progress_bar=false", "rollout.prompts_per_batch=4",
+       "rollout.responses_per_prompt=4", "rollout.max_response_len=4",
+       "parallel.micro_batch_size=8", "rollout.temperature=0.8", "checkpoint.every=0",
+       "reference.mode=snapshot"]
 
 
 def test_sets_not_order_and_counted_rows_only():
@@ -124,7 +125,8 @@ def fp8_reference(tmp_path_factory, megatron_loaded):
     ckpt = make_checkpoint(str(root / "hf"), moe=True, seed=0)
     fp8 = [*MOE, "rollout.fp8=true", "rollout.prompts_per_batch=8", "rollout.max_response_len=8",
            f"model.hf_checkpoint={ckpt.path}"]
-    cfg = load_config("configs/demo/cpu_demo.yaml", [*fp8, "parallel.data=1", f"run_dir={root / 'one'}"])
+    cfg = load_config("configs/demo/cpu_demo.yaml",
+                      [*fp8, "parallel.data=1", f"run_dir={root / 'one'}"])
     metrics, samples = run_forked(fp8_samples_worker, 1, cfg, timeout=240)[0]
     return fp8, root, metrics, samples
 
@@ -132,7 +134,8 @@ def fp8_reference(tmp_path_factory, megatron_loaded):
 @pytest.mark.parametrize("layout", [["parallel.data=2", "parallel.expert=2"],
                                     ["parallel.data=1", "parallel.tensor=2",
                                      "parallel.sequence_parallel=true"],
-                                    ["parallel.data=1", "parallel.context=2", "parallel.packing=thd"],
+                                    ["parallel.data=1", "parallel.context=2",
+                                     "parallel.packing=thd"],
                                     ["parallel.data=1", "parallel.pipeline=2"]],
                          ids=["dp2-ep2", "tp2-sp", "cp2-thd", "pp2"])
 def test_fp8_routing_mismatch_is_layout_invariant(dist_run, fp8_reference, layout):
