@@ -170,3 +170,28 @@ def test_train_loop_logs_routing_mismatch(dist_run, tmp_path):
     assert row["mismatch/routing_tokens"] == row["mismatch/tokens"] > 0
     assert row["mismatch/routing_disagree"] == 0.0
     assert {"mismatch/routing_disagree_layer0", "mismatch/routing_disagree_layer1"} <= set(row)
+
+
+def test_routing_mismatch_through_sglang_wire_format(dist_run, tmp_path):
+    """`rollout.engine: sglang` against a launched `megapkl serve` worker (SGLang's HTTP API and
+    base64 `meta_info.routed_experts`): the decoded routing feeds the same metric, 0 at update 0.
+    Straight to the worker (use_router=false): the installed sglang-router does not pass
+    `return_routed_experts` through."""
+    import json
+
+    from megapkl.train.local import _rank_main
+    from megapkl.train.metrics_log import read_metrics
+
+    serve = ["{python}", "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3-moe",
+             "--host", "{host}", "--port", "{port}", "--enable-return-routed-experts"]
+    cfg = load_config("configs/demo/cpu_demo.yaml", [
+        *MOE, "parallel.data=1", "train.steps=1", f"run_dir={tmp_path / 'sg'}",
+        "rollout.engine=sglang", f"rollout.sglang.server_command={json.dumps(serve)}",
+        "rollout.sglang.num_engines=1", "rollout.sglang.base_port=36420",
+        "rollout.sglang.startup_timeout_s=240", "rollout.sglang.use_router=false"])
+    dist_run(_rank_main, 1, cfg, timeout=300)
+    row = read_metrics(cfg.run_dir)[0]
+    print(f"sglang wire format: {row.get('mismatch/routing_disagree')} over "
+          f"{row.get('mismatch/routing_tokens')} tokens, k3 {row.get('mismatch/k3_kl')}")
+    assert row["mismatch/routing_tokens"] == row["mismatch/tokens"] > 0
+    assert row["mismatch/routing_disagree"] == 0.0
