@@ -35,7 +35,7 @@ class _Probe:
                         default_compute_topk=None):
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups,
                                               group_topk=group_topk)
-        self.chosen.append(indices.detach())
+        self.chosen.append(indices.detach().to(torch.int32))  # a minibatch's worth: keep it small
         if self.inner is None or self.inner.router_replay_action is None:
             return probs, indices
         return self.inner.get_replay_topk(scores, topk, num_groups, group_topk,
@@ -60,7 +60,7 @@ def _check_router(layer: int, router: Any) -> None:
 @contextlib.contextmanager
 def own_routing(model: Any) -> Iterator[list]:
     """Forward passes inside record each router's own top-k choice. The yielded list is filled on
-    exit with, per forward call (micro-batch, in order), one [rows, top_k] int64 tensor per local
+    exit with, per forward call (micro-batch, in order), one [rows, top_k] int32 tensor per local
     MoE layer in layer order (`megapkl.models.replay.moe_routers`). Empty for a dense model."""
     routers = moe_routers(model)
     for layer, router in routers:
@@ -75,7 +75,7 @@ def own_routing(model: Any) -> Iterator[list]:
         if len(calls) > 1:
             raise RuntimeError(f"own_routing: MoE layers ran different numbers of forwards {calls}")
         for i in range(calls.pop() if calls else 0):
-            out.append([p.chosen[i].to(torch.int64) for p in probes])
+            out.append([p.chosen[i] for p in probes])
     finally:
         for (_, router), probe in zip(routers, probes):
             router.router_replay = probe.inner
