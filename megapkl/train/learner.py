@@ -102,6 +102,13 @@ class Learner:
         with self._weights(snapshot):
             ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
 
+    def own_routing(self):
+        """Context manager: forwards inside (e.g. `logprobs`) record each MoE router's own top-k
+        choice, even under R3 replay; yields a list filled on exit with, per micro-batch, one
+        [rows, top_k] tensor per local MoE layer (`megapkl.models.routing_probe`)."""
+        from megapkl.models.routing_probe import own_routing
+        return own_routing(self.model)
+
     def _weights(self, snapshot: Optional[str]):
         return contextlib.nullcontext() if snapshot is None else self.snapshots.swapped_in(snapshot)
 

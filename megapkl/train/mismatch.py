@@ -7,11 +7,20 @@ log mu_behavior(y_t) per action token (y_t drawn from mu),
     mismatch/k3_kl          mean of exp(delta) - 1 - delta, the k3 estimate of KL(mu || pi)
     mismatch/abs_log_ratio_mean, mismatch/abs_log_ratio_max   of |delta|
     mismatch/frac_gt_0.1    fraction of tokens with |delta| > 0.1
-    mismatch/routing_disagree  (MoE, when both routings are given) fraction of tokens whose set of
-                            routed experts differs in any layer
     mismatch/tokens         tokens measured (global)
-`mismatch_parts` is the pure per-rank part (sums and maxima, mergeable over ranks), and
-`finalize` turns merged parts into the metrics.
+and, for MoE when the engine returned its routing (model.routing_replay), over the tokens at
+positions P-1 .. P+R-2 of those responses (the R positions whose forward predicts a response
+token, the same rows as the log-probs above; P prompt, R response tokens):
+    mismatch/routing_disagree  fraction of tokens whose SET of top-k experts (order ignored)
+                            differs from the trainer's own choice in at least one MoE layer
+    mismatch/routing_disagree_layer{l}  the same fraction for MoE layer l alone (0-based)
+    mismatch/routing_tokens tokens compared (global)
+The trainer's own choice is what its routers pick from their current scores, recorded even while
+R3 replays the engine's experts (`megapkl.models.routing_probe`). Routing counts are summed over
+every rank that holds distinct tokens (DP, CP, TP under sequence parallelism; layers spread over
+PP stages are merged per token first), so the value does not depend on the layout.
+`mismatch_parts` / `routing_parts` are the pure per-rank parts (sums and maxima, mergeable over
+ranks), and `finalize` turns merged parts into the metrics.
 """
 from __future__ import annotations
 
@@ -21,15 +30,13 @@ import torch
 from torch import Tensor
 
 THRESHOLD = 0.1
-_FIELDS = ("tokens", "k3_sum", "abs_sum", "over", "route_tokens", "route_diff")
+_FIELDS = ("tokens", "k3_sum", "abs_sum", "over")
 
 
-def mismatch_parts(logp_behav: Sequence[Tensor], logp_trainer: Sequence[Tensor],
-                   experts_behav: Optional[Sequence[Optional[Tensor]]] = None,
-                   experts_trainer: Optional[Sequence[Optional[Tensor]]] = None
+def mismatch_parts(logp_behav: Sequence[Tensor], logp_trainer: Sequence[Tensor]
                    ) -> tuple[Tensor, Tensor]:
-    """(sums [6] float64 in _FIELDS order, max |delta| [1]) over responses. Each pair of log-prob
-    tensors is one response's [T]; experts are [rows, layers, k] routing choices per token row."""
+    """(sums [4] float64 in _FIELDS order, max |delta| [1]) over responses. Each pair of log-prob
+    tensors is one response's [T]."""
     sums = torch.zeros(len(_FIELDS), dtype=torch.float64)
     top = torch.zeros(1, dtype=torch.float64)
     for i, (b, t) in enumerate(zip(logp_behav, logp_trainer, strict=True)):
@@ -44,39 +51,142 @@ def mismatch_parts(logp_behav: Sequence[Tensor], logp_trainer: Sequence[Tensor],
         sums[3] += (a > THRESHOLD).sum()
         if a.numel():
             top[0] = torch.maximum(top[0], a.max())
-    if experts_behav is not None and experts_trainer is not None:
-        for e_b, e_t in zip(experts_behav, experts_trainer, strict=True):
-            if e_b is None or e_t is None:
-                continue
-            sums[4] += e_b.shape[0]
-            sums[5] += routing_differs(e_b, e_t).sum()
     return sums, top
 
 
+def layer_differs(engine: Sequence[Tensor], own: Sequence[Tensor]) -> Tensor:
+    """[rows, layers] bool: per layer, the set of top-k experts differs (order ignored). `engine`
+    and `own` hold one [rows, k] tensor per layer."""
+    cols = []
+    for i, (e, o) in enumerate(zip(engine, own, strict=True)):
+        if e.shape != o.shape:
+            raise ValueError(f"MoE layer {i}: engine routing {list(e.shape)} vs trainer "
+                             f"{list(o.shape)}")
+        cols.append((e.sort(dim=-1).values != o.sort(dim=-1).values).any(dim=-1))
+    return torch.stack(cols, dim=1) if cols else torch.zeros(0, 0, dtype=torch.bool)
+
+
 def routing_differs(e_b: Tensor, e_t: Tensor) -> Tensor:
-    """[rows] bool: the set of routed experts differs in at least one layer."""
+    """[rows] bool for per-token [rows, layers, k] routings: the expert set differs in a layer."""
     if e_b.shape != e_t.shape:
         raise ValueError(f"routed experts {list(e_b.shape)} vs {list(e_t.shape)}")
-    return (e_b.sort(dim=-1).values != e_t.sort(dim=-1).values).flatten(1).any(dim=1)
+    return layer_differs(e_b.unbind(1), e_t.unbind(1)).any(dim=1)
 
 
-def finalize(sums: Tensor, top: Tensor) -> dict[str, float]:
-    """Metrics from (possibly all-reduced) parts; {} when no token was measured."""
+def routing_parts(differs: Tensor, counted: Tensor) -> Tensor:
+    """[2 + layers] float64: (tokens, tokens differing in any layer, per-layer differing tokens)
+    over the rows where `counted` ([rows] bool) is set; `differs` [rows, layers] over ALL the
+    model's MoE layers (merged over pipeline stages)."""
+    d = differs[counted]
+    head = torch.tensor([float(d.shape[0]), float(d.any(dim=1).sum())], dtype=torch.float64)
+    return torch.cat([head, d.sum(dim=0).to(torch.float64)])
+
+
+def finalize(sums: Tensor, top: Tensor, route: Optional[Tensor] = None) -> dict[str, float]:
+    """Metrics from (possibly all-reduced) parts; {} when no token was measured. The routing
+    metrics are absent when `route` is None (no engine routing) or counted no token."""
     n = float(sums[0])
     if n == 0:
         return {}
     out = {"mismatch/k3_kl": float(sums[1]) / n, "mismatch/abs_log_ratio_mean": float(sums[2]) / n,
            "mismatch/abs_log_ratio_max": float(top[0]), "mismatch/frac_gt_0.1": float(sums[3]) / n,
            "mismatch/tokens": n}
-    if float(sums[4]) > 0:
-        out["mismatch/routing_disagree"] = float(sums[5]) / float(sums[4])
+    if route is not None and float(route[0]) > 0:
+        rn = float(route[0])
+        out["mismatch/routing_disagree"] = float(route[1]) / rn
+        out["mismatch/routing_tokens"] = rn
+        for layer, count in enumerate(route[2:].tolist()):
+            out[f"mismatch/routing_disagree_layer{layer}"] = count / rn
     return out
 
 
 def mismatch_metrics(logp_behav, logp_trainer, experts_behav=None, experts_trainer=None
                      ) -> dict[str, float]:
-    """The metrics of one process's responses (see the module docstring)."""
-    return finalize(*mismatch_parts(logp_behav, logp_trainer, experts_behav, experts_trainer))
+    """The metrics of one process's responses (see the module docstring); experts, when given,
+    are one [rows, layers, k] tensor (or None) per response, every row counted."""
+    diffs = []
+    for b, t in zip(experts_behav or [], experts_trainer or [], strict=True):
+        if b is not None and t is not None:
+            if b.shape != t.shape:
+                raise ValueError(f"routed experts {list(b.shape)} vs {list(t.shape)}")
+            diffs.append(layer_differs(b.unbind(1), t.unbind(1)))
+    route = None
+    if diffs:
+        d = torch.cat(diffs)
+        route = routing_parts(d, torch.ones(d.shape[0], dtype=torch.bool))
+    return finalize(*mismatch_parts(logp_behav, logp_trainer), route)
+
+
+# ------------------------------------------------------------------ the trainer's rows
+
+
+def counted_rows(mb, fresh_uids: Tensor, *, tp_rank: int = 0, tp_size: int = 1,
+                 sequence_parallel: bool = False) -> Tensor:
+    """[rows] bool in megatron's router row order (this rank's CP/SP-local positions,
+    sequence-major): the position predicts an action token of a response in `fresh_uids`."""
+    mask = mb.loss_mask.bool()
+    if mb.is_thd:
+        response = mb.segment
+    else:
+        response = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    uid = mb.uid.index_select(0, response.clamp(min=0).flatten()).view_as(mask)
+    keep = mask & (response >= 0) & torch.isin(uid, fresh_uids.to(uid.device))
+    if sequence_parallel and tp_size > 1:
+        keep = keep.chunk(tp_size, dim=1)[tp_rank]
+    return keep.transpose(0, 1).reshape(-1)
+
+
+def rank_routing_rows(micro_batches, own: list, layers: Sequence[int], num_layers: int,
+                      fresh_uids: Tensor, groups, sequence_parallel: bool) -> tuple[Tensor, Tensor]:
+    """(differs [rows, num_layers] float64 with this rank's MoE `layers` filled, counted [rows]
+    bool) over the micro-batches carrying engine routing (`mb.routed`); `own` is what
+    `Learner.own_routing` recorded for the same micro-batches (one entry per micro-batch)."""
+    from megapkl.models.replay import local_replay_indices
+
+    if len(own) != len(micro_batches):
+        raise ValueError(f"trainer routing recorded for {len(own)} micro-batches, "
+                         f"expected {len(micro_batches)}")
+    if not layers:  # a pipeline stage without MoE layers recorded nothing
+        own = [[] for _ in micro_batches]
+    diffs, keep = [], []
+    for mb, mine in zip(micro_batches, own):
+        if mb.routed is None:
+            continue
+        rows = counted_rows(mb, fresh_uids, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                            sequence_parallel=sequence_parallel)
+        d = torch.zeros(rows.numel(), num_layers, dtype=torch.float64, device=rows.device)
+        if layers:
+            engine = local_replay_indices(mb.routed, layers, tp_rank=groups.tp_rank,
+                                          tp_size=groups.tp_size,
+                                          sequence_parallel=sequence_parallel,
+                                          cp_rank=groups.cp_rank, cp_size=groups.cp_size)
+            d[:, list(layers)] = layer_differs(engine, mine).to(torch.float64)
+        diffs.append(d)
+        keep.append(rows)
+    if not diffs:
+        return (torch.zeros(0, num_layers, dtype=torch.float64),
+                torch.zeros(0, dtype=torch.bool))
+    return torch.cat(diffs), torch.cat(keep)
+
+
+def global_routing_parts(differs: Tensor, counted: Tensor, groups, sequence_parallel: bool
+                         ) -> Tensor:
+    """`routing_parts` summed over every rank holding distinct tokens. Per token, the layers of
+    all pipeline stages are merged first (each stage fills its own layers: a sum over PP); then
+    one pipeline stage, and one TP rank unless sequence parallelism splits the tokens over TP,
+    contributes its counts to a sum over the world (DP, CP and EP ranks hold distinct tokens)."""
+    import torch.distributed as dist
+
+    if groups.pp_size > 1:
+        differs = differs.to(groups.device)
+        dist.all_reduce(differs, group=groups.pp)
+    parts = routing_parts(differs.cpu() > 0, counted.cpu())
+    if groups.world_size == 1:
+        return parts
+    owner = groups.pp_rank == 0 and (groups.tp_rank == 0 or sequence_parallel)
+    parts = (parts if owner else torch.zeros_like(parts)).to(groups.device)
+    dist.all_reduce(parts, group=groups.world)
+    return parts.cpu()
 
 
 def exact_version_metrics(trainer, minibatch, micro_batches, plan) -> dict[str, float]:
@@ -84,17 +194,24 @@ def exact_version_metrics(trainer, minibatch, micro_batches, plan) -> dict[str, 
     version `plan.update` (the learner's own) measured against the learner's log-probs. Reuses
     `logp_prox` when the batch's reference was just computed from the live weights (per_batch
     reference, first minibatch); otherwise one forward pass over the packed `micro_batches`, taken
-    by every data-parallel rank when any rank holds such a sample (the pass is collective).
-    Collective over data parallel (every rank calls it); {} when no rank has such a sample."""
+    by every data-parallel rank when any rank holds such a sample (the pass is collective). When
+    those samples carry the engine's routed experts (MoE, model.routing_replay), the forward is
+    taken in any case and records the routers' own choice for the routing metrics.
+    Collective over the world (every rank calls it); {} when no rank has such a sample."""
     import torch.distributed as dist
 
     groups = trainer.groups
     fresh = [s for s in minibatch if s.version == plan.update]
     reuse = trainer.cfg.reference.mode == "per_batch" and plan.minibatch == 0
-    need = torch.tensor([float(bool(fresh) and not reuse)], device=groups.device)
+    routed = any(s.routed_experts is not None for s in fresh)
+    flags = torch.tensor([float(bool(fresh) and not reuse), float(routed)], device=groups.device)
     if groups.dp_size > 1:
-        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=groups.dp)
-    logp = trainer.learner.logprobs(micro_batches) if need.item() else {}
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.dp)
+    need, routed = bool(flags[0].item()), bool(flags[1].item())
+    logp, own = {}, []
+    if need or routed:
+        with trainer.learner.own_routing() as own:
+            logp = trainer.learner.logprobs(micro_batches)
     sums, top = torch.zeros(len(_FIELDS), dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     if fresh:
         mine = [s.logp_prox if reuse else logp[s.uid] for s in fresh]
@@ -103,4 +220,17 @@ def exact_version_metrics(trainer, minibatch, micro_batches, plan) -> dict[str, 
         sums, top = sums.to(groups.device), top.to(groups.device)
         dist.all_reduce(sums, group=groups.dp)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=groups.dp)
-    return finalize(sums.cpu(), top.cpu())
+    route = _routing(trainer, micro_batches, own, fresh) if routed else None
+    return finalize(sums.cpu(), top.cpu(), route)
+
+
+def _routing(trainer, micro_batches, own: list, fresh: list) -> Tensor:
+    """The global routing parts of this update's fresh samples (collective over the world)."""
+    from megapkl.models.replay import moe_layer_ordinals
+
+    learner = trainer.learner
+    sp = bool(trainer.cfg.parallel.sequence_parallel) and trainer.groups.tp_size > 1
+    uids = torch.tensor([s.uid for s in fresh if s.routed_experts is not None], dtype=torch.int64)
+    differs, counted = rank_routing_rows(micro_batches, own, moe_layer_ordinals(learner.model),
+                                         learner.spec.num_layers, uids, trainer.groups, sp)
+    return global_routing_parts(differs, counted, trainer.groups, sp)
