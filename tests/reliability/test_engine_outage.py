@@ -3,14 +3,14 @@ finished update on every rank, stops with one error naming the failed engine, an
 that checkpoint logs the uninterrupted run's metrics.
 
 Real processes: DP=2 trainer ranks over gloo (megatron-core learner), each rank's SGLang engine on
-its own `megapkl serve` worker; the test SIGKILLs rank 1's worker mid-run, so only one rank's
-engine fails and the other must take the same decision (or the collective save would hang).
+its own `megapkl serve` worker: rank 0's started by the test, rank 1's launched by the trainer
+(its log in the run directory) and SIGKILLed mid-run, so only one rank's engine fails and the
+other must take the same decision (or the collective save would hang).
 """
 from __future__ import annotations
 
-import os
+import json
 import re
-import signal
 import sys
 import threading
 import time
@@ -34,10 +34,29 @@ SGLANG = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
           "checkpoint.every=0", f"train.steps={STEPS}"]
 
 
-def _cfgs(run_dir: Path, urls: list[str], *extra: str) -> list:
-    """One config per DP rank: rank r's engine talks to urls[r] only."""
-    return [tiny_cfg(run_dir, *SGLANG, f'rollout.sglang.urls=["{u}"]', *extra, data=2)
-            for u in urls]
+# Rank 1's server, launched by the trainer itself (rollout.sglang.server_command): `megapkl serve`
+# under a wrapper that SIGKILLs it once a stop file appears, and then exits (never restarted:
+# rollout.sglang.max_restarts=0).
+DOOMED = """import os, subprocess, sys, time
+host, port, stop = sys.argv[1:4]
+serve = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--model-config",
+                          "tiny-qwen3", "--host", host, "--port", port])
+while serve.poll() is None and not os.path.exists(stop):
+    time.sleep(0.05)
+serve.kill()
+"""
+
+
+def _cfgs(run_dir: Path, url0: str, stop: Path, *extra: str) -> list:
+    """One config per DP rank: rank 0's engine talks to the test's worker `url0`, rank 1 launches
+    its own (killed once `stop` exists)."""
+    wrapper = run_dir.parent / "doomed_server.py"
+    wrapper.write_text(DOOMED)
+    command = json.dumps(["{python}", str(wrapper), "{host}", "{port}", str(stop)])
+    ranks = [[f'rollout.sglang.urls=["{url0}"]'],
+             [f"rollout.sglang.server_command={command}", "rollout.sglang.num_engines=1",
+              "rollout.sglang.max_restarts=0", "rollout.sglang.base_port=36700"]]
+    return [tiny_cfg(run_dir, *SGLANG, *mine, *extra, data=2) for mine in ranks]
 
 
 def _rank(rank, world, cfgs):  # noqa: ARG001 - run_forked's signature
@@ -46,13 +65,13 @@ def _rank(rank, world, cfgs):  # noqa: ARG001 - run_forked's signature
     return run(cfgs[rank])
 
 
-def _kill_after(worker, run_dir: Path, rows: int) -> threading.Thread:
-    """SIGKILL `worker` (its whole process group) once the run has logged `rows` updates."""
+def _touch_after(stop: Path, run_dir: Path, rows: int) -> threading.Thread:
+    """Create `stop` (rank 1's server dies) once the run has logged `rows` updates."""
     def watch() -> None:
         deadline = time.monotonic() + 240
         while _rows(run_dir) < rows and time.monotonic() < deadline:
             time.sleep(0.05)
-        _sigkill(worker)
+        stop.touch()
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     return t
@@ -63,50 +82,39 @@ def _rows(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _sigkill(worker) -> None:
-    try:
-        os.killpg(worker.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    worker.popen.wait(timeout=30)
-
-
-def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(train, dist_run, tmp_path):
+def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_run, tmp_path):
     from megapkl.cli import describe
 
-    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
+    worker = start_worker(tmp_path / "logs", name="worker0")
     try:
-        wait_healthy(workers)
-        urls = [w.url for w in workers]
+        wait_healthy([worker])
         ref = tmp_path / "reference"
-        dist_run(_rank, 2, _cfgs(ref, urls), timeout=300)
+        dist_run(_rank, 2, _cfgs(ref, worker.url, tmp_path / "never"), timeout=300)
 
-        run = tmp_path / "run"
-        killer = _kill_after(workers[1], run, rows=2)
+        run, stop = tmp_path / "run", tmp_path / "stop"
+        watcher = _touch_after(stop, run, rows=2)
         with pytest.raises(WorkerError) as info:
-            dist_run(_rank, 2, _cfgs(run, urls), timeout=300)
-        killer.join(timeout=60)
+            dist_run(_rank, 2, _cfgs(run, worker.url, stop), timeout=300)
+        watcher.join(timeout=60)
         line = describe(info.value)  # what `megapkl train` prints after "megapkl: error: "
         assert "\n" not in line and "EnginesStopped" in line, line
-        assert f"{urls[1]} (dead" in line and urls[0] not in line, line  # the failed engine only
+        log = run / "sglang" / "logs" / "engine0.log"
+        assert re.search(rf"http://127\.0\.0\.1:\d+ \(dead, log {re.escape(str(log))}\)", line), line
+        assert worker.url not in line, line  # rank 0's engine did not fail: not named
         assert "rollout.sglang.no_engine_timeout_s" in line, line
         failed_at = int(re.search(r"update (\d+): the rollout engines failed", line).group(1))
-        rows = read_metrics(run)
-        assert 2 <= failed_at < STEPS and len(rows) == failed_at, (failed_at, len(rows))
-        saved = ckpt.step_dir(_cfgs(run, urls)[0], failed_at)
+        assert 2 <= failed_at < STEPS and _rows(run) == failed_at, (failed_at, _rows(run))
+        saved = run / "checkpoints" / f"step_{failed_at:08d}"
         assert f"checkpoint {saved} holds the {failed_at} finished updates" in line, line
         assert "checkpoint.resume=true" in line
         ckpt.verify(saved)  # complete: every file its manifest lists
         assert [p.name for p in (run / "checkpoints").iterdir()] == [saved.name]
 
-        # A fresh worker for rank 1; the run continues from the outage checkpoint.
-        workers.append(start_worker(tmp_path / "logs", name="worker1b"))
-        wait_healthy(workers[2:])
-        dist_run(_rank, 2, _cfgs(run, [urls[0], workers[2].url], "checkpoint.resume=true"),
+        # Rank 1 launches a fresh server; the run continues from the outage checkpoint.
+        dist_run(_rank, 2, _cfgs(run, worker.url, tmp_path / "never", "checkpoint.resume=true"),
                  timeout=300)
         got, want = read_metrics(run), read_metrics(ref)
         assert [r["step"] for r in got] == list(range(STEPS))
         assert comparable(got) == comparable(want)
     finally:
-        for w in workers:
-            w.stop()
+        worker.stop()
