@@ -37,8 +37,8 @@ class RolloutError(RuntimeError):
 
 class EnginesDown(RolloutError):
     """Raised on every rank together when some replica's rollout engine could not serve a batch
-    (rollout.sglang.no_engine_timeout_s passed with no server up, ...). The message is every
-    failing engine's own, one line each; the prompt iterator is back where the batch began."""
+    (rollout.sglang.no_engine_timeout_s passed with no server up, ...). The message joins the
+    failing engines' own, on one line; the prompt iterator is back where the batch began."""
 
 
 @dataclasses.dataclass
