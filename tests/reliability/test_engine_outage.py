@@ -36,11 +36,14 @@ SGLANG = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
 
 # Rank 1's server, launched by the trainer itself (rollout.sglang.server_command): `megapkl serve`
 # under a wrapper that SIGKILLs it once a stop file appears, and then exits (never restarted:
-# rollout.sglang.max_restarts=0).
+# rollout.sglang.max_restarts=0). The server dies with the wrapper, as launched servers die with
+# the trainer (launch._die_with_parent); its pid goes to <stop>.pid for the test to check.
 DOOMED = """import os, subprocess, sys, time
+from megapkl.rollout.sglang.launch import _die_with_parent
 host, port, stop = sys.argv[1:4]
 serve = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--model-config",
-                          "tiny-qwen3", "--host", host, "--port", port])
+                          "tiny-qwen3", "--host", host, "--port", port], preexec_fn=_die_with_parent)
+open(stop + ".pid", "w").write(str(serve.pid))
 while serve.poll() is None and not os.path.exists(stop):
     time.sleep(0.05)
 serve.kill()
@@ -77,6 +80,20 @@ def _touch_after(stop: Path, run_dir: Path, rows: int) -> threading.Thread:
     return t
 
 
+def _assert_gone(stop: Path) -> None:
+    """The server launched for this run is gone once the run has ended (or a zombie)."""
+    pid, deadline = int(Path(f"{stop}.pid").read_text()), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the server launched for {stop.name} (pid {pid}) outlived the run")
+
+
 def _rows(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -89,7 +106,8 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
     try:
         wait_healthy([worker])
         ref = tmp_path / "reference"
-        dist_run(_rank, 2, _cfgs(ref, worker.url, tmp_path / "never"), timeout=300)
+        dist_run(_rank, 2, _cfgs(ref, worker.url, tmp_path / "never_ref"), timeout=300)
+        _assert_gone(tmp_path / "never_ref")
 
         run, stop = tmp_path / "run", tmp_path / "stop"
         watcher = _touch_after(stop, run, rows=2)
@@ -111,8 +129,9 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         assert [p.name for p in (run / "checkpoints").iterdir()] == [saved.name]
 
         # Rank 1 launches a fresh server; the run continues from the outage checkpoint.
-        dist_run(_rank, 2, _cfgs(run, worker.url, tmp_path / "never", "checkpoint.resume=true"),
-                 timeout=300)
+        dist_run(_rank, 2, _cfgs(run, worker.url, tmp_path / "never_resume",
+                                 "checkpoint.resume=true"), timeout=300)
+        _assert_gone(tmp_path / "never_resume")
         got, want = read_metrics(run), read_metrics(ref)
         assert [r["step"] for r in got] == list(range(STEPS))
         assert comparable(got) == comparable(want)
