@@ -327,6 +327,20 @@ def stop_if_requested(trainer, u: int, saved: bool) -> bool:
     return True
 
 
+def save_for_outage(trainer, update: int) -> str:
+    """Collective, when the rollout engines failed during update `update` (before its training
+    step): the checkpoint of the last finished update, unless it exists already (checkpoint.every,
+    or the resume point); returns the sentence for the error. The rollout stage has put its state
+    back to the start of the batch, so a resume regenerates the batch exactly."""
+    if update == 0:
+        return "no update had finished, so there is nothing to checkpoint"
+    exists = [(step_dir(trainer.cfg, update) / MARKER).is_file()]
+    dist.broadcast_object_list(exists, src=0)  # one decision for every rank
+    path = step_dir(trainer.cfg, update) if exists[0] else save(trainer, update)
+    return (f"checkpoint {path} holds the {update} finished updates; fix the engines and continue "
+            "with checkpoint.resume=true")
+
+
 def end(trainer) -> None:
     lock = getattr(trainer, "run_lock", None)
     if lock is not None:

@@ -29,12 +29,16 @@ from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
 from megapkl.train.learner import Learner
 from megapkl.train.metrics_log import MetricsLogger
-from megapkl.train.rollouts import RolloutStage
+from megapkl.train.rollouts import EnginesDown, RolloutStage
 from megapkl.train.schedule import Schedule
 
 
 class TrainingError(RuntimeError):
     pass
+
+
+class EnginesStopped(TrainingError):
+    """The rollout engines could not serve: the run saved its last finished update and stopped."""
 
 
 def init_groups(cfg):
@@ -160,7 +164,11 @@ class Trainer:
         self.rollouts.forget_before(self.schedule.oldest_needed(u))
 
     def new_batch(self, plan) -> None:
-        self.batch = self.rollouts.collect(plan.batch, plan.group_versions)
+        try:
+            self.batch = self.rollouts.collect(plan.batch, plan.group_versions)
+        except EnginesDown as exc:  # raised on every rank at once: the save below is collective
+            raise EnginesStopped(f"update {plan.update}: the rollout engines failed: {exc}; "
+                                 + ckpt.save_for_outage(self, plan.update)) from None
         if self.reference_mode == "per_batch":  # PKL C.2: recomputed once, frozen for the batch
             logp = self.learner.logprobs(self.learner.pack(self.batch))
             for s in self.batch:

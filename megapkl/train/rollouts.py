@@ -23,7 +23,7 @@ from megapkl.objectives.advantages import compute_advantages
 from megapkl.objectives.sis import mix64_int
 from megapkl.parallel.groups import group_device
 from megapkl.rollout.data import PromptIterator, build_prompt_dataset
-from megapkl.rollout.engine import SamplingParams
+from megapkl.rollout.engine import RolloutEngineError, SamplingParams
 from megapkl.rollout.rewards import build_reward
 from megapkl.rollout.sample import Sample
 from megapkl.train.version_store import VersionStore
@@ -33,6 +33,18 @@ MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group id
 
 class RolloutError(RuntimeError):
     pass
+
+
+class EnginesDown(RolloutError):
+    """Raised on every rank together when some replica's rollout engine could not serve a batch
+    (rollout.sglang.no_engine_timeout_s passed with no server up, ...). The message joins the
+    failing engines' own, on one line; the prompt iterator is back where the batch began."""
+
+
+@dataclasses.dataclass
+class _Outage:
+    """What a replica leader broadcasts instead of samples when its engine failed."""
+    message: str
 
 
 def build_tokenizer_and_data(cfg):
@@ -96,6 +108,7 @@ class RolloutStage:
             self.transform = FP8Transform()
         self.loads = {"rollout/versions_loaded": 0.0, "time/version_load_s": 0.0}
         self.engine = None
+        self._checkpoint_version: Optional[tuple[Optional[int]]] = None  # set by an outage
         if leader:
             self.engine = build_run_engine(cfg, spec, self.tokenizer, dp_rank, dp_size)
 
@@ -133,7 +146,21 @@ class RolloutStage:
 
     def collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
         """This rank's `per_rank` prompt groups of global batch `batch`, with rewards and
-        advantages (Sample.advantage)."""
+        advantages (Sample.advantage). Collective; EnginesDown on every rank when an engine
+        failed, with the rollout state as it was before the batch (a checkpoint taken then is
+        the one of the last finished update, and a resume regenerates the batch exactly)."""
+        prompts, held = self.prompts.state_dict(), self.engine.version if self.leader else None
+        try:
+            return self._collect(batch, group_versions)
+        except EnginesDown:
+            self.prompts.load_state_dict(prompts)
+            # The engine's version before the batch, if the store still has it (the loop forgets
+            # versions the schedule no longer needs at the start of the update); else the resume
+            # loads what the batch needs, as the uninterrupted run did.
+            self._checkpoint_version = (held if held in self.store.versions() else None,)
+            raise
+
+    def _collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
         kept: list[list[Sample]] = []
         drawn = 0
         self.loads = dict.fromkeys(self.loads, 0.0)
@@ -143,11 +170,12 @@ class RolloutStage:
             drawn += len(idx)
             mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
             groups = self._generate(batch, rnd, [(idx[g], g, group_versions[g]) for g in mine])
-            for members in groups:
+            outage = groups.message if isinstance(groups, _Outage) else None
+            for members in groups if outage is None else ():
                 if self.cfg.advantage.filter_constant_groups and _constant(members):
                     continue
                 kept.append(members)
-            if self._all_ranks_full(len(kept) >= self.per_rank):
+            if self._all_ranks_full(len(kept) >= self.per_rank, outage):
                 break
         else:
             raise RolloutError(
@@ -158,28 +186,39 @@ class RolloutStage:
         self._advantages(samples)
         return samples
 
-    def _generate(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]) -> list[list[Sample]]:
-        """[(dataset index, global group slot, version)] -> samples per group, on every replica rank."""
-        out: list[Optional[list[list[Sample]]]] = [None]
+    def _generate(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]
+                  ) -> "list[list[Sample]] | _Outage":
+        """[(dataset index, global group slot, version)] -> samples per group, on every replica
+        rank; an engine failure travels the same way, as an `_Outage`, so that no rank is left
+        alone in a collective."""
+        out: list[Any] = [None]
         if self.leader:
-            groups: dict[int, list[Sample]] = {}
-            held = self.engine.version  # first: a refill round starts without a reload
-            for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
-                part = [(i, slot) for i, slot, v in todo if v == version]
-                self._use_version(version)
-                seed = mix64_int(mix64_int(mix64_int(self.cfg.seed) + batch) + rnd * 7919 + version) >> 1
-                sampling = _with_seed(self.sampling, seed)
-                samples = self.engine.generate([self.dataset[i] for i, _ in part], self.group_size, sampling)
-                self.reward(samples)
-                for j, (_, slot) in enumerate(part):
-                    members = samples[j * self.group_size:(j + 1) * self.group_size]
-                    self._label(members, batch, rnd, slot)
-                    groups[slot] = members
-            out = [[groups[slot] for _, slot, _ in todo]]
+            try:
+                out = [self._generate_here(batch, rnd, todo)]
+            except RolloutEngineError as exc:
+                out = [_Outage(_one_line(str(exc)))]
         if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
             dist.broadcast_object_list(out, src=dist.get_global_rank(self.replica_group, 0),
                                        group=self.replica_group)
         return out[0]
+
+    def _generate_here(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]
+                       ) -> list[list[Sample]]:
+        """The leader's part of `_generate`: run the engine at each scheduled version."""
+        groups: dict[int, list[Sample]] = {}
+        held = self.engine.version  # first: a refill round starts without a reload
+        for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
+            part = [(i, slot) for i, slot, v in todo if v == version]
+            self._use_version(version)
+            seed = mix64_int(mix64_int(mix64_int(self.cfg.seed) + batch) + rnd * 7919 + version) >> 1
+            sampling = _with_seed(self.sampling, seed)
+            samples = self.engine.generate([self.dataset[i] for i, _ in part], self.group_size, sampling)
+            self.reward(samples)
+            for j, (_, slot) in enumerate(part):
+                members = samples[j * self.group_size:(j + 1) * self.group_size]
+                self._label(members, batch, rnd, slot)
+                groups[slot] = members
+        return [groups[slot] for _, slot, _ in todo]
 
     def _label(self, members: list[Sample], batch: int, rnd: int, slot: int) -> None:
         """Global uid and group id: unique over batches, refill rounds and DP ranks."""
@@ -188,11 +227,21 @@ class RolloutStage:
         for j, s in enumerate(members):
             s.group_id, s.uid = group_id, group_id * g + j
 
-    def _all_ranks_full(self, mine: bool) -> bool:
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int64, device=group_device(self.dp_group))
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
-        return bool(flag.item())
+    def _all_ranks_full(self, mine: bool, outage: Optional[str] = None) -> bool:
+        """Collective over DP: do all ranks hold enough groups? EnginesDown on every rank if any
+        replica's engine failed (the replicas learnt it from their leaders' broadcasts)."""
+        flag = torch.tensor([0 if mine else 1, 0 if outage is None else 1], dtype=torch.int64,
+                            device=group_device(self.dp_group))
+        many = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
+        if many:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if flag[1].item():
+            said: list[Optional[str]] = [outage]
+            if many:
+                said = [None] * dist.get_world_size(self.dp_group)
+                dist.all_gather_object(said, outage, group=self.dp_group)
+            raise EnginesDown("; ".join(dict.fromkeys(m for m in said if m)))
+        return not flag[0].item()
 
     def _advantages(self, samples: list[Sample]) -> None:
         a = self.cfg.advantage
@@ -209,8 +258,10 @@ class RolloutStage:
         `<checkpoint>/policy_versions`), never pickled into it."""
         if checkpoint is not None and self.store.writer:
             self.store.link_into(Path(checkpoint) / "policy_versions", self.store.versions())
-        return {"prompts": self.prompts.state_dict(),
-                "engine_version": self.engine.version if self.leader else None}
+        held = self.engine.version if self.leader else None
+        if self._checkpoint_version is not None:  # after an outage: the version before the batch
+            held = self._checkpoint_version[0]
+        return {"prompts": self.prompts.state_dict(), "engine_version": held}
 
     def load_state_dict(self, state: dict, checkpoint: Optional[Path] = None) -> None:
         self.prompts.load_state_dict(state["prompts"])
@@ -220,6 +271,15 @@ class RolloutStage:
         v = state["engine_version"]
         if self.leader and v is not None:
             self._use_version(v)
+
+
+def _one_line(text: str) -> str:
+    """An engine's multi-line message (a header, then one engine a line) as one line."""
+    out = ""
+    for line in (" ".join(ln.split()) for ln in text.splitlines()):
+        if line:
+            out += ("" if not out else " " if out.endswith(":") else "; ") + line
+    return out
 
 
 def _constant(members: Sequence[Sample]) -> bool:

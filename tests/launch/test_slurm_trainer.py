@@ -92,6 +92,58 @@ def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> No
     assert "State=COMPLETED" in text and f"last step: step={STEPS - 1}" in text
 
 
+def _events(run_dir: Path) -> list[str]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(ln)["event"] for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def _interrupt_when(sub, run_dir: Path, events: list[str], rows: int, what: str) -> None:
+    """`job._interrupt()` (a Slurm preemption) once events.jsonl reads `events` and metrics.jsonl
+    has `rows` rows: the running trainer is past its preemption handler's installation."""
+    deadline = time.time() + 240
+    while _events(run_dir) != events or len(read_metrics(run_dir)) < rows:
+        assert time.time() < deadline, f"{what}: events {_events(run_dir)}, " \
+                                       f"{len(read_metrics(run_dir))} rows"
+        assert not sub.job.done() and "done" not in _events(run_dir), (
+            f"{what}: the trainer job ended before it could be interrupted ({STEPS} updates)")
+        time.sleep(0.05)
+    sub.job._interrupt()
+
+
+def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
+        trainer_reference, launch_tmp: Path) -> None:
+    """A second preemption right after the first resume (the requeued job is updating again):
+    checkpoint, requeue, resume twice; the run ends with the uninterrupted run's metrics."""
+    ref_sub, ref = trainer_reference
+    run_dir = launch_tmp / "trainer_preempted_twice"
+    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"])
+    _interrupt_when(sub, run_dir, ["start"], 2, "first preemption")
+    t0 = time.time()
+    while _events(run_dir) != ["start", "requeued", "start"]:
+        assert time.time() - t0 < 240, f"the requeued job never started: {_events(run_dir)}"
+        time.sleep(0.05)
+    first = len(read_metrics(run_dir))  # the first checkpoint's step: the rows written until then
+    # Two updates past the resume point: the requeued trainer runs (and polls for preemption).
+    _interrupt_when(sub, run_dir, ["start", "requeued", "start"], first + 2, "second preemption")
+    results = wait_done(sub.job, 300, "twice preempted trainer job")
+    assert _events(run_dir) == ["start", "requeued", "start", "requeued", "start", "done"]
+
+    err = (run_dir / "submitit" / f"{sub.job_id}_0_log.err").read_text()
+    resumed = [int(s) for s in re.findall(r"\[megapkl\.train\] resumed from the step-(\d+) "
+                                          r"checkpoint", err)]
+    assert len(resumed) == 2 and 2 <= resumed[0] < resumed[1] < STEPS, (resumed, err[-3000:])
+    assert resumed[0] == first and resumed[1] >= first + 2
+
+    assert comparable(results) == comparable(ref)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS  # none twice
+    assert comparable(rows) == comparable(read_metrics(ref_sub.run_dir))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
+    wait_state(sub.job_id, "COMPLETED")
+    assert jobs.requeue_count(sub.job_id) == 2
+
+
 TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
 
 
