@@ -234,4 +234,7 @@ def run(cfg, ctx: Any = None) -> dict[str, float]:
     try:
         return trainer.run()
     finally:
+        engine = trainer.rollouts.engine
+        if engine is not None:  # launched servers stop with the run, not only at exit
+            engine.close()
         ckpt.end(trainer)
