@@ -168,7 +168,9 @@ class SGLangEngine(RolloutEngine):
                                 seed=request_seed(sampling.seed, index))
         errors: list[str] = []
         for _ in range(self.max_retries + 1):
-            url = self.fleet.pick()
+            # sglang-router 0.3 drops `return_routed_experts` from the body it forwards, so R3
+            # requests go to a worker directly (round robin over the ready ones).
+            url = self.fleet.pick(direct=sampling.return_routed_experts)
             try:
                 answer = http.request(url, "generate", body, timeout=self.request_timeout_s,
                                       connections=self.fleet.connections)

@@ -125,14 +125,14 @@ class Fleet:
             self._event(w, f"router {op} failed: {exc}")
 
     # ------------------------------------------------------------------ request targets
-    def pick(self) -> str:
-        """A base URL for the next /generate (the router's, or a ready worker round robin);
-        waits up to no_engine_timeout_s for one, then EnginesUnavailable."""
+    def pick(self, direct: bool = False) -> str:
+        """A base URL for the next /generate (the router's, or a ready worker round robin; a
+        worker with `direct`); waits up to no_engine_timeout_s for one, then EnginesUnavailable."""
         t0 = time.monotonic()
         while True:
             ready = self.ready()
             if ready:
-                if self.router_url is not None:
+                if self.router_url is not None and not direct:
                     return self.router_url
                 self._rr += 1
                 return ready[self._rr % len(ready)].url
