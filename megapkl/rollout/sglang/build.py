@@ -109,6 +109,10 @@ def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
     hf_config = {**hf_config, "torch_dtype": "float32" if cfg.model.dtype == "fp32" else "bfloat16"}
     work = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}") / "sglang"
     fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work)
+    if transform is None and cfg.rollout.fp8:  # FP8 engines never receive a plain linear weight
+        from megapkl.rollout.fp8 import sync_transform
+
+        transform = sync_transform()
     sync = WeightSync(sync_settings(sg), export_dir=work, transform=transform or identity,
                       hf_config=hf_config)
     engine = SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
