@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from sglang_fixtures import make_serve_cluster  # noqa: F401
+from sglang_fixtures import launch_cluster, make_serve_cluster  # noqa: F401
 
 from megapkl.rollout.sample import PromptItem
 
@@ -118,6 +118,19 @@ def _plain_weights(hf, seed):
     return list(out.items())
 
 
+def _edge_after_first_fp8(stream) -> int:
+    """A bucket size that ends a plain bucketing right after the stream's first FP8 weight."""
+    from megapkl.models.hf import bucketed
+
+    size = 0
+    for name, t in stream:
+        size += t.numel() * t.element_size()
+        if t.dtype == torch.float8_e4m3fn:
+            break
+    assert any(b[-1][1].dtype == torch.float8_e4m3fn for b in bucketed(stream, size))
+    return size
+
+
 def _held(url, name):
     from megapkl.rollout.sglang import http
 
@@ -134,22 +147,27 @@ def _checkpoint(tmp_path, weights, hf):
     return {n: t for f in sorted(ckpt.glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
-@pytest.fixture
-def fp8_setup(make_serve_cluster, tmp_path):
-    """An FP8 `megapkl serve` worker (--quantization fp8) and an SGLangEngine with rollout.fp8."""
+@pytest.fixture(scope="module")
+def fp8_setup(tmp_path_factory):
+    """An FP8 `megapkl serve` worker (--quantization fp8) and an SGLangEngine with rollout.fp8,
+    shared by the FP8 tests of this module."""
     from megapkl.config import load_config
     from megapkl.rollout.sglang.build import build_sglang_engine
 
-    spec = _wide_spec(tmp_path)
-    cluster = make_serve_cluster(num_workers=1, model_config=spec, router=False,
-                                 worker_args=["--quantization", "fp8"])
-    cfg = load_config("configs/demo/cpu_demo.yaml", [
-        "rollout.engine=sglang", "rollout.fp8=true", f"run_dir={tmp_path / 'run'}",
-        f"rollout.sglang.urls={json.dumps(cluster.worker_urls)}",
-        "rollout.sglang.bucket_mb=0.1"])  # several buckets, weight/scale pairs at their edges
-    engine = build_sglang_engine(cfg, _hf(spec))
-    yield engine, cluster.worker_urls[0], _hf(spec)
-    engine.close()
+    tmp = tmp_path_factory.mktemp("fp8")
+    spec = _wide_spec(tmp)
+    cluster = launch_cluster(tmp / "cluster", num_workers=1, model_config=spec, router=False,
+                             worker_args=["--quantization", "fp8"])
+    try:
+        cfg = load_config("configs/demo/cpu_demo.yaml", [
+            "rollout.engine=sglang", "rollout.fp8=true", f"run_dir={tmp / 'run'}",
+            f"rollout.sglang.urls={json.dumps(cluster.worker_urls)}",
+            "rollout.sglang.bucket_mb=0.1"])  # several buckets per sync
+        engine = build_sglang_engine(cfg, _hf(spec))
+        yield engine, cluster.worker_urls[0], _hf(spec)
+        engine.close()
+    finally:
+        cluster.close()
 
 
 def test_fp8_sync_modes_send_block_fp8_and_worker_holds_the_checkpoint(fp8_setup, tmp_path):
@@ -176,6 +194,8 @@ def test_fp8_sync_modes_send_block_fp8_and_worker_holds_the_checkpoint(fp8_setup
         want = _checkpoint(tmp_path / mode, weights, hf)
         # distributed: an already-quantized stream, as the trainer's version store hands it over
         stream = list(F.FP8Transform()(weights)) if mode == "distributed" else weights
+        if mode == "distributed":  # a bucket edge right between a weight and its scale
+            engine.sync.s.bucket_bytes = _edge_after_first_fp8(stream)
         sent.clear()
         engine.sync.s.mode = mode
         engine.update_weights(stream, version=version)
