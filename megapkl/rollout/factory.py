@@ -8,11 +8,13 @@ from megapkl.rollout.engine import RolloutEngine
 
 def build_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
                  transform: Optional[Callable] = None, *, device: Any = "cpu",
-                 dtype: Any = None) -> RolloutEngine:
+                 dtype: Any = None, replica: int = 0, replicas: int = 1) -> RolloutEngine:
     """`hf_config`: the trainer model's HF config mapping (`megapkl.models.spec.hf_config_dict`).
     `transform`: per-bucket weight transform for SGLang syncs (the FP8 seam; identity if None:
     the trainer already stores and pushes FP8-quantized versions when rollout.fp8 is on).
-    `device`/`dtype`: where the embedded engine computes (megapkl.models.provider.engine_placement)."""
+    `device`/`dtype`: where the embedded engine computes (megapkl.models.provider.engine_placement).
+    `replica` of `replicas`: which trainer replica (data-parallel leader) builds it; launched SGLang
+    fleets of different replicas get their own ports, logs and exports."""
     engine = cfg.rollout.engine
     if engine == "embedded":
         from megapkl.rollout.embedded import EmbeddedEngine
@@ -25,5 +27,6 @@ def build_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
     if engine == "sglang":
         from megapkl.rollout.sglang.build import build_sglang_engine
 
-        return build_sglang_engine(cfg, hf_config, tokenizer=tokenizer, transform=transform)
+        return build_sglang_engine(cfg, hf_config, tokenizer=tokenizer, transform=transform,
+                                   replica=replica, replicas=replicas)
     raise ValueError(f"rollout.engine: unknown engine {engine!r} (embedded | sglang)")

@@ -113,6 +113,29 @@ def _padded(w: Tensor, nr: int, nc: int, block: Sequence[int]) -> Tensor:
     return out
 
 
+# Bit patterns of |w| for the amax pass: the sign bit cleared, a non-negative float orders like its
+# bits as an integer, and any pattern at or above +Inf's is Inf or NaN. Integer max reductions are
+# vectorized where the float block reduction over two strided dims is not (3-4x faster on CPU).
+_ABS_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+             torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+
+
+def _block_amax(blocks: Tensor, name: str) -> Tensor:
+    """fp32 [nr, nc] largest |w| of each block of `blocks` [nr, b0, nc, b1]; FP8Error on NaN/Inf."""
+    nr, b0, nc, b1 = blocks.shape
+    if blocks.dtype in _ABS_BITS and blocks.is_contiguous():
+        itype, mask, inf = _ABS_BITS[blocks.dtype]
+        bits = (blocks.view(itype) & mask).view(-1, b1).amax(-1).view(nr, b0, nc).amax(1)
+        finite = bool((bits < inf).all())
+        amax = bits.view(blocks.dtype).float()
+    else:
+        amax = torch.maximum(blocks.amax(dim=(1, 3)).float(), -blocks.amin(dim=(1, 3)).float())
+        finite = bool(torch.isfinite(amax).all())
+    if not finite:
+        raise FP8Error(f"FP8 quantization of '{name}': the weight contains NaN or Inf")
+    return amax
+
+
 def quantize_block_fp8(weight: Tensor, block: Sequence[int] = BLOCK, name: str = "weight"
                        ) -> tuple[Tensor, Tensor]:
     """(e4m3 weight [N, K], fp32 scale_inv [ceil(N/b0), ceil(K/b1)]) of a 2-D float weight."""
@@ -121,15 +144,13 @@ def quantize_block_fp8(weight: Tensor, block: Sequence[int] = BLOCK, name: str =
                        f"{weight.dtype} {list(weight.shape)}")
     rows, cols = weight.shape
     nr, nc = _blocks(weight.shape, block)
-    # In the input dtype until the division (bf16 -> fp32 is exact); each pass costs bandwidth.
-    blocks = _padded(weight.detach(), nr, nc, block).view(nr, block[0], nc, block[1])
-    amax = torch.maximum(blocks.amax(dim=(1, 3)).float(), -blocks.amin(dim=(1, 3)).float())
-    if not bool(torch.isfinite(amax).all()):
-        raise FP8Error(f"FP8 quantization of '{name}': the weight contains NaN or Inf")
-    scale = (amax / E4M3_MAX).clamp_(min=MIN_SCALE)
-    x = torch.div(blocks, scale[:, None, :, None])  # fp32 (type promotion), correctly rounded
-    q = x.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    q = q.view(nr * block[0], nc * block[1])
+    blocks = _padded(weight.detach().contiguous(), nr, nc, block).view(nr, block[0], nc, block[1])
+    scale = (_block_amax(blocks, name) / E4M3_MAX).clamp_(min=MIN_SCALE)
+    # One fp32 working copy, divided in place (correctly rounded fp32 division, as the bound
+    # assumes); a mixed bf16 / fp32 broadcast division is several times slower on CPU.
+    x = blocks.to(torch.float32, copy=True)
+    x.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    q = x.to(torch.float8_e4m3fn).view(nr * block[0], nc * block[1])
     if q.shape != weight.shape:
         q = q[:rows, :cols].contiguous()
     return q, scale

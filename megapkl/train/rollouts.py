@@ -55,16 +55,17 @@ def build_tokenizer_and_data(cfg):
     return tokenizer, dataset, task
 
 
-def build_run_engine(cfg, spec, tokenizer):
+def build_run_engine(cfg, spec, tokenizer, replica: int = 0, replicas: int = 1):
     """The run's rollout engine (rollout.engine) on the device and in the dtype the trainer's
-    model dtype calls for; empty: weights come through update_weights."""
+    model dtype calls for; empty: weights come through update_weights. `replica` of `replicas`:
+    the data-parallel leader building it (each has its own engine)."""
     from megapkl.models.provider import engine_placement
     from megapkl.models.spec import hf_config_dict
     from megapkl.rollout.factory import build_engine
 
     device, dtype = engine_placement(cfg.model.dtype)
     return build_engine(cfg, hf_config_dict(spec, dtype=str(dtype).split(".")[-1]), tokenizer,
-                        device=device, dtype=dtype)
+                        device=device, dtype=dtype, replica=replica, replicas=replicas)
 
 
 class RolloutStage:
@@ -96,7 +97,7 @@ class RolloutStage:
         self.loads = {"rollout/versions_loaded": 0.0, "time/version_load_s": 0.0}
         self.engine = None
         if leader:
-            self.engine = build_run_engine(cfg, spec, self.tokenizer)
+            self.engine = build_run_engine(cfg, spec, self.tokenizer, dp_rank, dp_size)
 
     # ------------------------------------------------------------------ weights
 

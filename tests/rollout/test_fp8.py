@@ -137,11 +137,17 @@ def test_activation_quantization_matches_reference():
     assert got.dtype == x.dtype and torch.equal(got.double(), expect)
 
 
-def test_nonfinite_weight_is_an_error_naming_it():
-    w = torch.randn(4, 4)
-    w[1, 1] = float("nan")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_weight_is_an_error_naming_it(dtype, bad):
+    w = torch.randn(200, 300, dtype=dtype)  # padded blocks: the bad value sits in a partial one
+    w[170, 290] = bad
     with pytest.raises(F.FP8Error, match="layers.0.mlp.up_proj.weight.*NaN or Inf"):
         list(F.FP8Transform()([("model.layers.0.mlp.up_proj.weight", w)]))
+    # the largest finite value (of fp32 at most: the scale is fp32) is fine
+    w[170, 290] = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    q, s = F.quantize_block_fp8(w)
+    assert torch.isfinite(s).all() and torch.isfinite(q.float()).all()
 
 
 # ------------------------------------------------------------------------- streams and checkpoints

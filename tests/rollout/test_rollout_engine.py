@@ -124,8 +124,12 @@ def test_weight_update_errors_are_clear_and_atomic(dense_model):
         engine.update_weights([("model.layers.0.self_attn.o_proj.weight", torch.zeros(64, 32))], 2)
     with pytest.raises(WeightUpdateError, match="floating-point"):
         engine.update_weights([("model.norm.weight", torch.ones(64, dtype=torch.int64))], 2)
-    with pytest.raises(WeightUpdateError, match="NaN or Inf"):
-        engine.update_weights([("model.norm.weight", torch.full((64,), float("nan")))], 2)
+    for bad in (float("nan"), float("inf"), -float("inf")):  # one element is enough
+        for copy in (True, False):
+            value = torch.ones(64)
+            value[37] = bad
+            with pytest.raises(WeightUpdateError, match="model.norm.weight': contains NaN or Inf"):
+                engine.update_weights([("model.norm.weight", value)], 2, copy=copy)
     with pytest.raises(WeightUpdateError, match="version"):
         engine.update_weights(named.items(), version=-1)
     assert engine.version == 1 and torch.equal(engine.model.model.norm.weight, before)

@@ -12,7 +12,7 @@ import torch
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sglang import protocol as P
 from megapkl.rollout.sglang.client import request_seed
-from megapkl.rollout.sglang.weights import buckets, serialize_named_tensors
+from megapkl.rollout.sglang.weights import SharedSegments, buckets, serialize_named_tensors
 
 
 def _item(ids, logps, *, top=None, version="3", finish=None, experts=None):
@@ -129,6 +129,30 @@ def test_tensor_payload_round_trips_bit_exact():
     assert [n for n, _ in back] == ["a", "b"]
     for (_, x), (_, y) in zip(named, back):
         assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def _shm_name(t):
+    return t.untyped_storage()._share_filename_cpu_()[1].decode()
+
+
+@pytest.mark.skipif(not SharedSegments.SHM_DIR.is_dir(), reason="needs /dev/shm")
+def test_tensor_sync_reuses_segments_unless_gone_or_resized():
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16))]
+    seg = SharedSegments()
+    seg.start_push()
+    _, first = serialize_named_tensors(named, seg)
+    seg.start_push()
+    payload, second = serialize_named_tensors([(n, t + 1) for n, t in named], seg)
+    assert [_shm_name(t) for t in first] == [_shm_name(t) for t in second]  # reused in place
+    back = pickle.loads(base64.b64decode(payload))
+    assert all(torch.equal(y, x + 1) for (_, x), (_, y) in zip(named, back))  # new values
+    # A segment whose name is gone (a dead server took it) or whose size changed is replaced.
+    (SharedSegments.SHM_DIR / _shm_name(second[0]).lstrip("/")).unlink()
+    seg.start_push()
+    _, third = serialize_named_tensors([("a", named[0][1]), ("b", torch.randn(6))], seg)
+    assert _shm_name(third[0]) != _shm_name(second[0])
+    assert _shm_name(third[1]) != _shm_name(second[1])
+    assert torch.equal(third[0], named[0][1])
 
 
 def test_config_fields_and_errors():

@@ -1,12 +1,15 @@
 """Weight sync benchmark: a Qwen3-0.6B-shaped model (BF16, ~1.2 GB) pushed to a local
 `megapkl serve` worker in each mode of rollout.sglang.weight_sync (tensor, distributed over gloo,
-disk), side by side with a plain memory copy of the same bytes, in one run.
+disk), side by side with a plain memory copy of the same bytes, in one run; then the same with
+`rollout.fp8` on (the trainer quantizes every bucket to block FP8 before it is sent, to a worker
+started with `--quantization fp8`).
 
 Prints per mode: seconds per sync (the whole pause -> buckets -> version -> continue sequence,
-the server's loading included), GB/s, and the ratio to the memory copy. The worker's reported
+the server's loading included), GB/s of the BF16 export, and the ratio to the memory copy. The worker's reported
 version is checked after every sync. `--shape tiny` runs the same on the tiny model in seconds.
 
     python tools/bench/weight_sync.py [--shape qwen3-0.6b|tiny] [--bucket-mb 512] [--repeats 1]
+                                      [--fp8 both|off|on]
 """
 from __future__ import annotations
 
@@ -38,12 +41,12 @@ def spec_file(shape: str, directory: Path) -> str:
     return str(path)
 
 
-def start_worker(spec: str, port: int, log: Path) -> subprocess.Popen:
+def start_worker(spec: str, port: int, log: Path, fp8: bool) -> subprocess.Popen:
     from megapkl.rollout.sglang import http
 
-    proc = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--model-config", spec,
-                             "--dtype", "bfloat16", "--port", str(port)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "megapkl.rollout.serve", "--model-config", spec,
+           "--dtype", "bfloat16", "--port", str(port)] + (["--quantization", "fp8"] if fp8 else [])
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while True:
         try:
@@ -80,34 +83,21 @@ def memcpy_seconds(weights, repeats: int) -> float:
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=("qwen3-0.6b", "tiny"), default="qwen3-0.6b")
-    ap.add_argument("--bucket-mb", type=float, default=512.0)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--port", type=int, default=None, help="default: a free port")
-    args = ap.parse_args()
-
+def bench_modes(args, spec: str, weights, work: Path, fp8: bool, nbytes: int, base: float
+                ) -> list[dict]:
+    from megapkl.rollout.fp8 import FP8Transform
     from megapkl.rollout.sglang import http
-    from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync
+    from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync, free_port
+    from megapkl.rollout.sglang.weights import identity
 
-    from megapkl.rollout.sglang.weights import free_port
-
-    port = args.port or free_port()
-    work = Path(tempfile.mkdtemp(prefix="megapkl_sync_bench_"))
-    spec = spec_file(args.shape, work)
-    weights = trainer_weights(spec)
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    proc = start_worker(spec, port, work / "worker.log")
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
+    proc = start_worker(spec, port, work / f"worker{'_fp8' if fp8 else ''}.log", fp8)
+    url, rows, version = f"http://127.0.0.1:{port}", [], 0
     try:
-        base = memcpy_seconds(weights, args.repeats)
-        rows = [{"what": "memory copy", "seconds": round(base, 3),
-                 "GB/s": round(nbytes / base / 1e9, 2), "ratio": 1.0}]
-        version = 0
         for mode in ("tensor", "distributed", "disk"):
             sync = WeightSync(SyncSettings(mode=mode, bucket_bytes=int(args.bucket_mb * MiB),
-                                           timeout_s=1800), export_dir=work)
+                                           timeout_s=1800), export_dir=work,
+                              transform=FP8Transform() if fp8 else identity)
             best = float("inf")
             for _ in range(args.repeats + 1):  # the first sync also sets up (shm, group, files)
                 version += 1
@@ -117,15 +107,35 @@ def main() -> None:
                 got = http.request(url, "model_info", timeout=60)["weight_version"]
                 assert got == str(version), (mode, got, version)
             sync.close_group([Target(url)])
-            rows.append({"what": f"sync {mode}", "seconds": round(best, 3),
+            rows.append({"what": f"sync {mode}" + (" fp8" if fp8 else ""), "seconds": round(best, 3),
                          "GB/s": round(nbytes / best / 1e9, 2), "ratio": round(best / base, 1)})
-        print(json.dumps({"shape": args.shape, "tensors": len(weights), "bytes": nbytes,
-                          "bucket_mb": args.bucket_mb, "torch_threads": torch.get_num_threads()}))
-        for r in rows:
-            print(json.dumps(r))
     finally:
         proc.kill()
         proc.wait()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=("qwen3-0.6b", "tiny"), default="qwen3-0.6b")
+    ap.add_argument("--bucket-mb", type=float, default=512.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--fp8", choices=("both", "off", "on"), default="both")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="megapkl_sync_bench_"))
+    spec = spec_file(args.shape, work)
+    weights = trainer_weights(spec)
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    base = memcpy_seconds(weights, args.repeats)
+    rows = [{"what": "memory copy", "seconds": round(base, 3),
+             "GB/s": round(nbytes / base / 1e9, 2), "ratio": 1.0}]
+    for fp8 in {"both": (False, True), "off": (False,), "on": (True,)}[args.fp8]:
+        rows += bench_modes(args, spec, weights, work, fp8, nbytes, base)
+    print(json.dumps({"shape": args.shape, "tensors": len(weights), "bytes": nbytes,
+                      "bucket_mb": args.bucket_mb, "torch_threads": torch.get_num_threads()}))
+    for r in rows:
+        print(json.dumps(r))
 
 
 if __name__ == "__main__":

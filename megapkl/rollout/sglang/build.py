@@ -6,12 +6,13 @@ import atexit
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
-from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, pick_ports, plan_servers,
-                                           router_command, server_command, wait_healthy)
+from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_address, pick_ports,
+                                           plan_servers, router_command, server_command,
+                                           this_node, wait_healthy)
 from megapkl.rollout.sglang.weights import MiB, SyncSettings, Transform, WeightSync, identity
 
 
@@ -22,10 +23,18 @@ def health_settings(sg: Any) -> HealthSettings:
                           no_engine_timeout_s=sg.no_engine_timeout_s, max_restarts=sg.max_restarts)
 
 
-def sync_settings(sg: Any) -> SyncSettings:
+def sync_settings(sg: Any, urls: Sequence[str] = ()) -> SyncSettings:
+    """The servers join the distributed-sync group at this process's address: loopback when they
+    all answer on loopback, this node's name when some run elsewhere."""
+    from urllib.parse import urlsplit
+
+    from megapkl.rollout.serve import is_loopback
+
+    remote = any(not is_loopback(urlsplit(u).hostname or "") for u in urls)
     return SyncSettings(mode=sg.weight_sync, bucket_bytes=int(sg.bucket_mb * MiB),
                         pause_mode=sg.pause_mode, colocate=sg.colocate and not sg.urls,
-                        timeout_s=sg.sync_timeout_s, group_address=sg.host)
+                        timeout_s=sg.sync_timeout_s,
+                        group_address=this_node() if remote else local_address(sg.host))
 
 
 def _model_path(cfg: Any, hf_config: dict, work: Path) -> tuple[str, bool]:
@@ -49,7 +58,7 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
             f.result()
 
 
-def launch_fleet(cfg: Any, hf_config: dict, work: Path) -> Fleet:
+def launch_fleet(cfg: Any, hf_config: dict, work: Path, replica: int = 0) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
     everything started is stopped and LaunchError names the server and its log."""
     sg, health = cfg.rollout.sglang, health_settings(cfg.rollout.sglang)
@@ -61,7 +70,8 @@ def launch_fleet(cfg: Any, hf_config: dict, work: Path) -> Fleet:
                               routed_experts=cfg.model.routing_replay,
                               context_length=sg.context_length, dummy_weights=dummy)
 
-    specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host)
+    specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
+                         replica=replica)
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     fleet = Fleet(workers, health=health)
     try:
@@ -69,8 +79,8 @@ def launch_fleet(cfg: Any, hf_config: dict, work: Path) -> Fleet:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
-            port = pick_ports(sg.host, sg.base_port + 1000, 1)[0]
-            url = f"http://{sg.host}:{port}"
+            port = pick_ports(sg.host, sg.base_port + 1000 + replica, 1)[0]
+            url = f"http://{local_address(sg.host)}:{port}"
             fleet.router = ServerProcess("router", url, router_command(
                 sg, [w.url for w in workers], sg.host, port), work / "logs" / "router.log").start()
             fleet.router_url = url
@@ -104,16 +114,22 @@ def connect_fleet(sg: Any) -> Fleet:
 
 def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
                         transform: Optional[Transform] = None,
-                        run_dir: Optional[Path] = None) -> SGLangEngine:
+                        run_dir: Optional[Path] = None, replica: int = 0,
+                        replicas: int = 1) -> SGLangEngine:
+    """The engine of trainer replica `replica` of `replicas` (data-parallel leaders): with several,
+    each launches its own fleet, logs and exports under <run_dir>/sglang/replica<r>/."""
     sg = cfg.rollout.sglang
     hf_config = {**hf_config, "torch_dtype": "float32" if cfg.model.dtype == "fp32" else "bfloat16"}
     work = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}") / "sglang"
-    fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work)
+    if replicas > 1:
+        work = work / f"replica{replica}"
+    fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work, replica)
     if transform is None and cfg.rollout.fp8:  # FP8 engines never receive a plain linear weight
         from megapkl.rollout.fp8 import sync_transform
 
         transform = sync_transform()
-    sync = WeightSync(sync_settings(sg), export_dir=work, transform=transform or identity,
+    sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
+                      transform=transform or identity,
                       hf_config=hf_config)
     engine = SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
                           max_concurrency=sg.max_concurrency,

@@ -167,10 +167,11 @@ class SGLangEngine(RolloutEngine):
         body = generate_payload(prompt.prompt_ids.tolist(), sampling, n,
                                 seed=request_seed(sampling.seed, index))
         errors: list[str] = []
+        # sglang-router 0.3.2 drops `return_routed_experts` from the /generate body it forwards
+        # (the answer then has no routed_experts): R3 requests go to the workers directly.
+        direct = sampling.return_routed_experts
         for _ in range(self.max_retries + 1):
-            # sglang-router 0.3 drops `return_routed_experts` from the body it forwards, so R3
-            # requests go to a worker directly (round robin over the ready ones).
-            url = self.fleet.pick(direct=sampling.return_routed_experts)
+            url = self.fleet.pick(direct=direct)
             try:
                 answer = http.request(url, "generate", body, timeout=self.request_timeout_s,
                                       connections=self.fleet.connections)

@@ -126,8 +126,9 @@ class Fleet:
 
     # ------------------------------------------------------------------ request targets
     def pick(self, direct: bool = False) -> str:
-        """A base URL for the next /generate (the router's, or a ready worker round robin; a
-        worker with `direct`); waits up to no_engine_timeout_s for one, then EnginesUnavailable."""
+        """A base URL for the next /generate (the router's, or a ready worker round robin;
+        `direct`: a worker even when there is a router); waits up to no_engine_timeout_s for one,
+        then EnginesUnavailable."""
         t0 = time.monotonic()
         while True:
             ready = self.ready()

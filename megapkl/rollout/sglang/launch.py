@@ -10,6 +10,7 @@ parent-death signal). Inside a Slurm allocation, engines spread over the job's n
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megapkl.rollout.sglang import http
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
@@ -188,20 +191,47 @@ class ServerSpec:
 
 
 def plan_servers(sg: Any, *, log_dir: Path, make_cmd: Callable[[str, int], list[str]],
-                 host: str) -> list[ServerSpec]:
-    """One spec per engine: ports from base_port, spread over the Slurm nodes when there are any."""
+                 host: str, replica: int = 0) -> list[ServerSpec]:
+    """One spec per engine of trainer replica `replica` (a data-parallel leader). Ports start at
+    base_port + replica * num_engines, so the fleets of replicas sharing a node never collide.
+
+    - colocate (the default), or outside a multi-node Slurm allocation: the engines run on this
+      host (the replica's own node), bound to `host` (loopback unless configured).
+    - colocate false inside an allocation of several nodes: the engines are spread over its nodes
+      (`srun --overlap`), bound to `host` and addressed by node name. Other nodes must reach them,
+      so `host` must not be loopback: setting it is the explicit choice to expose the servers'
+      weight-update routes to the network (a warning is logged)."""
+    first = sg.base_port + replica * sg.num_engines
     nodes = slurm_nodes()
-    specs = []
-    if len(nodes) > 1:
+    if len(nodes) > 1 and not sg.colocate:
+        from megapkl.rollout.serve import is_loopback
+
+        if is_loopback(host):
+            raise LaunchError(f"rollout.sglang.colocate false spreads the servers over the "
+                              f"allocation's {len(nodes)} nodes, which cannot reach a server bound "
+                              f"to rollout.sglang.host {host}: set it to an address other nodes "
+                              "reach (e.g. 0.0.0.0), which exposes the servers' weight-update "
+                              "routes to that network")
+        log.warning("rollout.sglang.host %s: the SGLang servers' weight-update routes (which load "
+                    "tensors and files sent to them) are reachable from the network", host)
+        specs = []
         for i in range(sg.num_engines):
-            node = nodes[i % len(nodes)]
-            port = sg.base_port + i
+            node, port = nodes[i % len(nodes)], first + i
             cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-                   *make_cmd(node, port)]
+                   *make_cmd(host, port)]
             specs.append(ServerSpec(i, f"http://{node}:{port}", cmd,
                                     log_dir / f"engine{i}.log", sg.tp))
         return specs
-    for i, port in enumerate(pick_ports(host, sg.base_port, sg.num_engines)):
-        specs.append(ServerSpec(i, f"http://{host}:{port}", make_cmd(host, port),
-                                log_dir / f"engine{i}.log", sg.tp))
-    return specs
+    return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port),
+                       log_dir / f"engine{i}.log", sg.tp)
+            for i, port in enumerate(pick_ports(host, first, sg.num_engines))]
+
+
+def local_address(host: str) -> str:
+    """How this host reaches a server bound to `host` (a wildcard bind answers on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def this_node() -> str:
+    """This process's node name as the allocation's other nodes know it."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()

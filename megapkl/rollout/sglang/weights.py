@@ -69,20 +69,23 @@ def byte_view(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
-def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
+def serialize_named_tensors(named_tensors: NamedTensors, segments: Optional["SharedSegments"] = None
+                            ) -> tuple[str, list[Tensor]]:
     """SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` format: base64 of a
     torch ForkingPickler pickle. CPU storages move to shared memory and travel by file name
     (the 'file_system' strategy): unlike passed descriptors this works between unrelated processes.
     Returns the payload and the shared copies, which must stay alive until the server has read them
-    (a segment is unlinked when its last holder lets go)."""
+    (a segment is unlinked when its last holder lets go). `segments` reuses the segments of the
+    previous push (see SharedSegments); without it every tensor gets a new one."""
     import base64
     import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
 
+    segments = segments or SharedSegments(reuse=False)
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
-        shared = [(n, _fresh_shared(t.detach())) for n, t in named_tensors]
+        shared = [(n, segments.shared_copy(t.detach())) for n, t in named_tensors]
         buf = io.BytesIO()
         ForkingPickler(buf).dump(shared)
     finally:
@@ -90,18 +93,47 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tens
     return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
 
 
-def _fresh_shared(t: Tensor) -> Tensor:
-    """A CPU tensor's bytes in a new shared-memory segment (one copy). Never reuse a segment of an
-    earlier push: its name is unlinked once the server that opened it is gone, so a restarted
-    server could not open it again. GPU tensors travel by CUDA IPC handle, uncopied."""
-    if t.device.type != "cpu":
-        return t
-    try:
-        storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
-        out = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape)
-    except (AttributeError, RuntimeError):  # older torch: copy, then move into shared memory
-        return t.clone().share_memory_()
-    return out.copy_(t)
+class SharedSegments:
+    """Shared-memory segments for the CPU tensors of the tensor sync, reused from one push to the
+    next: the k-th tensor of a push is copied into the k-th segment of the previous push when the
+    size matches and the segment's name still exists. A fresh segment costs a page fault per 4 KiB
+    on both sides (several memory copies' worth); a reused one is a plain copy here, and a server
+    that kept its mapping from the last push (megapkl serve does) reads it without faulting either.
+    The name check matters: a server that dies takes the names it opened with it, and a restarted
+    server could not open them. Costs one model copy of shared memory between pushes.
+    GPU tensors travel by CUDA IPC handle, uncopied."""
+
+    SHM_DIR = Path("/dev/shm")  # where shm_open names live on Linux; elsewhere: always fresh
+
+    def __init__(self, reuse: bool = True):
+        self.reuse = reuse and self.SHM_DIR.is_dir()
+        self._previous: list[torch.UntypedStorage] = []
+        self._current: list[torch.UntypedStorage] = []
+
+    def start_push(self) -> None:
+        self._previous, self._current = self._current or self._previous, []
+
+    def shared_copy(self, t: Tensor) -> Tensor:
+        if t.device.type != "cpu":
+            return t
+        nbytes = t.numel() * t.element_size()
+        k = len(self._current)
+        storage = self._previous[k] if self.reuse and k < len(self._previous) else None
+        if storage is None or storage.nbytes() != nbytes or not self._exists(storage):
+            try:
+                storage = torch.UntypedStorage._new_shared(nbytes)
+            except (AttributeError, RuntimeError):  # older torch: copy, then move into shm
+                return t.clone().share_memory_()
+        if self.reuse:
+            self._current.append(storage)
+        return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape).copy_(t)
+
+    def _exists(self, storage: torch.UntypedStorage) -> bool:
+        try:
+            name = storage._share_filename_cpu_()[1].decode()
+        except (AttributeError, RuntimeError):
+            return False
+        return (self.SHM_DIR / name.lstrip("/")).exists()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -174,6 +206,7 @@ class WeightSync:
         self._groups_made = 0
         self._lock = threading.Lock()
         self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
+        self._segments = SharedSegments()  # tensor mode: shared memory reused between pushes
 
     # ------------------------------------------------------------------ calls
     def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
@@ -259,8 +292,9 @@ class WeightSync:
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
+            self._segments.start_push()
             for bucket in stream:
-                payload, alive = serialize_named_tensors(self.transform(bucket))
+                payload, alive = serialize_named_tensors(self.transform(bucket), self._segments)
                 self._all(targets, "update_weights_from_tensor",
                           lambda t: {"serialized_named_tensors": [payload] * t.tp,
                                      "flush_cache": False})

@@ -1,0 +1,75 @@
+"""`rollout.engine: sglang` inside a two-node Slurm allocation: the real trainer (one task on each
+of mpn1 and mpn2, DP=2 over gloo) launches `megapkl serve` workers through rollout.sglang's own
+launcher (server_command) and sglang-router, in both placements:
+
+- colocated (the default): each data-parallel leader runs its fleet on its own node, on loopback,
+  under <run_dir>/sglang/replica<r>/ with ports of its own;
+- spread (colocate false, host 0.0.0.0): each leader's engines go one per node through
+  `srun --overlap`, are addressed by node name, and take their weights over a gloo broadcast group
+  whose rendezvous is the leader's node.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from megapkl.launch.submit import read_metrics, submit
+
+from .conftest import TINY, wait_done
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
+STEPS = 4
+SERVE = [sys.executable, "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3",
+         "--host", "{host}", "--port", "{port}"]
+
+
+def _run(run_dir: Path, extra: list[str], what: str) -> list[dict]:
+    sub = submit(TINY, TWO_NODES, [
+        f"run_dir={run_dir}", f"train.steps={STEPS}", "rollout.engine=sglang",
+        f"rollout.sglang.server_command={json.dumps(SERVE)}", "rollout.sglang.startup_timeout_s=240",
+        "rollout.sglang.health_interval_s=1", *extra])
+    wait_done(sub.job, 420, what)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0, 1, 0, 1]  # refresh_every 2: versions served
+    return rows
+
+
+def _starts(log: Path) -> list[str]:
+    return re.findall(r"==== megapkl: starting (.*)", log.read_text())
+
+
+def test_colocated_fleets_one_per_leader_on_its_own_node(launch_tmp: Path) -> None:
+    run_dir = launch_tmp / "sglang_colocated"
+    _run(run_dir, ["rollout.sglang.num_engines=1", "rollout.sglang.base_port=36700",
+                   "rollout.sglang.weight_sync=tensor"], "two-node colocated SGLang job")
+    ports = []
+    for r in (0, 1):
+        logs = run_dir / "sglang" / f"replica{r}" / "logs"
+        (start,) = _starts(logs / "engine0.log")
+        assert "srun" not in start and "--host 127.0.0.1" in start, start
+        ports.append(int(re.search(r"--port (\d+)", start).group(1)))
+        assert "http://127.0.0.1:" in _starts(logs / "router.log")[0]
+    assert ports == [36700, 36701]  # each replica's own ports
+
+
+def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> None:
+    run_dir = launch_tmp / "sglang_spread"
+    _run(run_dir, ["rollout.sglang.num_engines=2", "rollout.sglang.base_port=36800",
+                   "rollout.sglang.colocate=false", "rollout.sglang.host=0.0.0.0",
+                   "rollout.sglang.weight_sync=distributed"], "two-node spread SGLang job")
+    for r in (0, 1):
+        logs = run_dir / "sglang" / f"replica{r}" / "logs"
+        for i, node in enumerate(("mpn1", "mpn2")):
+            (start,) = _starts(logs / f"engine{i}.log")
+            assert f"srun --overlap --nodes=1 --ntasks=1 --nodelist={node}" in start, start
+            assert f"--port {36800 + 2 * r + i}" in start and "--host 0.0.0.0" in start
+        router = _starts(logs / "router.log")[0]
+        assert f"http://mpn1:{36800 + 2 * r}" in router and f"http://mpn2:{36801 + 2 * r}" in router
