@@ -356,7 +356,7 @@ class WeightSync:
 
         pg = name = None
         for bucket in stream:
-            bucket = self.transform(bucket)
+            bucket = list(self.transform(bucket))  # a transform may yield lazily
             if pg is None:
                 pg, name = self._ensure_group(targets, bucket[0][1].device)
             body = {"names": [n for n, _ in bucket],
