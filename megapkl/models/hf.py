@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -394,15 +394,16 @@ def _owners(units: dict[Any, list[_Param]], comm: _Comm) -> dict[Any, int]:
     return owners
 
 
-def bucketed(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20
+def bucketed(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
+             joins: Optional[Callable[[str], bool]] = None
              ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs into lists of at most `bucket_bytes` (one oversize tensor
-    forms its own bucket)."""
+    forms its own bucket); a name for which `joins(name)` stays in its predecessor's bucket."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not (joins and joins(name)):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))

@@ -253,6 +253,53 @@ def fake_quant_fp8(named_tensors: Iterable[tuple[str, Tensor]], dtype: torch.dty
     return dequantize_stream(quantize_plain(), dtype, block)
 
 
+def sync_transform(block: Sequence[int] = BLOCK):
+    """The weight sync's per-bucket transform under rollout.fp8: plain linear weights are quantized
+    exactly as FP8Transform (and so write_fp8_checkpoint) does; tensors already in the FP8 layout
+    (e4m3 weights and their `_scale_inv`, e.g. versions the VersionStore saved quantized) pass."""
+    quantize = FP8Transform(block)
+
+    def transform(bucket: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+        out: list[tuple[str, Tensor]] = []
+        for name, tensor in bucket:
+            if name.endswith(SCALE_SUFFIX) or tensor.dtype == torch.float8_e4m3fn:
+                out.append((name, tensor))
+            else:
+                out.extend(quantize([(name, tensor)]))
+        return out
+    return transform
+
+
+def check_fp8_stream(named_tensors: Iterable[tuple[str, Tensor]],
+                     shapes: Mapping[str, Sequence[int]], block: Sequence[int] = BLOCK
+                     ) -> Iterator[tuple[str, Tensor]]:
+    """What a block-FP8 server accepts (`megapkl serve --quantization fp8`, like SGLang's FP8
+    parameters): each quantized linear weight as e4m3 of the layer's shape, its `_scale_inv` as
+    fp32 of the block grid's shape, every other weight not in e4m3. FP8Error names the weight;
+    names the model does not have pass on (the engine refuses them with close matches)."""
+    e4m3 = torch.float8_e4m3fn
+    for name, tensor in named_tensors:
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        shape = shapes.get(base)
+        quantized = shape is not None and quantized_name(base, tuple(shape))
+        if name != base:
+            if not quantized:
+                raise FP8Error(f"weight '{name}': '{base}' is not a block-FP8 weight of this model")
+            want = list(_blocks(shape, block))
+            if tensor.dtype != torch.float32 or list(tensor.shape) != want:
+                raise FP8Error(f"weight '{name}': expected float32 {want} (one scale per "
+                               f"{list(block)} block of {list(shape)}), got {tensor.dtype} "
+                               f"{list(tensor.shape)}")
+        elif quantized and (tensor.dtype != e4m3 or list(tensor.shape) != list(shape)):
+            raise FP8Error(f"weight '{name}': this server runs block FP8 and expects "
+                           f"float8_e4m3fn {list(shape)} with '{name}{SCALE_SUFFIX}', got "
+                           f"{tensor.dtype} {list(tensor.shape)}")
+        elif not quantized and tensor.dtype == e4m3:
+            raise FP8Error(f"weight '{name}': float8_e4m3fn for a weight this server keeps "
+                           "unquantized")
+        yield name, tensor
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 
 def unshared(tensor: Tensor, seen: set[int]) -> Tensor:

@@ -65,6 +65,7 @@ class SGLangCompatServer:
             "/continue_generation": self.resume, "/abort_request": self.abort,
             "/flush_cache": self.flush_cache, "/release_memory_occupation": self.release,
             "/resume_memory_occupation": self.resume_memory,
+            "/get_weights_by_name": self.weights_by_name,
         }
         self.get: dict[str, Callable[[], Any]] = {
             "/health": self.health, "/health_generate": self.health_generate,
@@ -346,6 +347,17 @@ class SGLangCompatServer:
 
     # ------------------------------------------------------------ info / health
 
+    def weights_by_name(self, body: dict) -> list:
+        """SGLang's /get_weights_by_name: the first `truncate_size` rows of a weight as the engine
+        computes with it (an FP8 server's dequantized weight), as float lists."""
+        name, rows = body.get("name"), body.get("truncate_size", 100)
+        param = dict(self.state.engine.model.named_parameters(remove_duplicate=False)).get(name)
+        if param is None:
+            raise RequestError(f"name: {name!r} is not a weight of the served model")
+        if not isinstance(rows, int) or rows < 1:
+            raise RequestError(f"truncate_size: expected an int >= 1, got {rows!r}")
+        return param.detach()[:rows].float().cpu().tolist()
+
     def health(self) -> str:
         return ""
 
@@ -509,12 +521,13 @@ def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
     tokenizer = _tokenizer(args.tokenizer or args.hf_checkpoint)
+    fp8 = getattr(args, "quantization", None) == "fp8"
     if args.hf_checkpoint:
         from megapkl.rollout.embedded import iter_safetensors
 
         torch.manual_seed(args.seed)
         engine = InterruptibleEngine(args.hf_checkpoint, device=args.device, dtype=dtype,
-                                     seed=args.seed, tokenizer=tokenizer)
+                                     seed=args.seed, tokenizer=tokenizer, fp8=fp8)
         engine.update_weights(iter_safetensors(args.hf_checkpoint), version=0)
         model_path = args.hf_checkpoint
     else:
@@ -523,7 +536,7 @@ def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
         spec = load_spec(args.model_config)
         torch.manual_seed(args.seed)  # same seed, same random weights on every worker
         engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype), device=args.device,
-                                     dtype=dtype, seed=args.seed, tokenizer=tokenizer)
+                                     dtype=dtype, seed=args.seed, tokenizer=tokenizer, fp8=fp8)
         engine.update_weights(list(engine.model.state_dict().items()), version=0)
         model_path = args.model_config
     if args.enable_return_routed_experts and not engine.is_moe:
@@ -568,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--quantization", choices=("fp8",), help="fp8: block-FP8 (W8A8) engine that "
+                   "takes only FP8 weights (e4m3 + weight_scale_inv); an FP8 checkpoint turns "
+                   "it on by itself")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--log-level", default="info")
     return p

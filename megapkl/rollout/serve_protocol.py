@@ -55,6 +55,7 @@ ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
     "/abort_request": ("rid", "abort_all"),
     "/release_memory_occupation": ("tags",),
     "/resume_memory_occupation": ("tags",),
+    "/get_weights_by_name": ("name", "truncate_size"),
 }
 GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info", "/get_model_info",
               "/get_server_info", "/flush_cache")

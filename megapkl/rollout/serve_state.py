@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
+from megapkl.rollout import fp8 as FP8
 from megapkl.rollout.embedded import EmbeddedEngine, iter_safetensors
 from megapkl.rollout.engine import SamplingParams, WeightUpdateError
 from megapkl.rollout.sample import PromptItem, Sample
@@ -314,11 +315,14 @@ class ServeState:
         return _Nothing() if self.paused is not None else self._engine_lock
 
     def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        if self.engine.fp8:  # an FP8 server takes FP8 weights only, as SGLang's FP8 parameters
+            shapes = {n: tuple(p.shape) for n, p in self.engine.model.named_parameters()}
+            named = FP8.check_fp8_stream(named, shapes, self.engine.fp8_block)
         with self._weights_context():
             try:
                 # Decoded payloads, broadcast buffers and disk reads belong to this request alone.
                 self.engine.update_weights(named, version=self._engine_version + 1, copy=False)
-            except WeightUpdateError as exc:
+            except (WeightUpdateError, FP8.FP8Error) as exc:
                 raise RequestError(str(exc)) from None
             self._engine_version += 1
 
@@ -415,7 +419,9 @@ class ServeState:
             named = []
             for n, d, s in specs:
                 t = torch.empty(s, dtype=d, device=device)
-                dist.broadcast(t, src=0, group=pg)
+                # FP8 travels as its bytes (gloo has no FP8 dtype; NCCL sends the same bytes)
+                dist.broadcast(t.view(torch.uint8) if d.itemsize == 1 and d.is_floating_point
+                               else t, src=0, group=pg)
                 named.append((n, t))
         else:
             raise RequestError(f"load_format: {load_format!r} is not supported for distributed "

@@ -124,6 +124,10 @@ def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
     if replicas > 1:
         work = work / f"replica{replica}"
     fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work, replica)
+    if transform is None and cfg.rollout.fp8:  # FP8 engines never receive a plain linear weight
+        from megapkl.rollout.fp8 import sync_transform
+
+        transform = sync_transform()
     sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                       transform=transform or identity,
                       hf_config=hf_config)

@@ -58,7 +58,15 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
 
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
-    return bucketed(named_tensors, bucket_bytes)
+    # An FP8 weight's `_scale_inv` travels in its weight's bucket: a server loads each bucket
+    # on its own and dequantizes a weight only with its scale.
+    return bucketed(named_tensors, bucket_bytes, joins=lambda n: n.endswith("_scale_inv"))
+
+
+def byte_view(t: Tensor) -> Tensor:
+    """`t` itself, or for a 1-byte float (FP8) the uint8 view of the same memory: gloo cannot
+    broadcast FP8 dtypes, and the bytes on the wire are the same either way."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def serialize_named_tensors(named_tensors: NamedTensors, segments: Optional["SharedSegments"] = None
@@ -348,7 +356,7 @@ class WeightSync:
 
         pg = name = None
         for bucket in stream:
-            bucket = self.transform(bucket)
+            bucket = list(self.transform(bucket))  # a transform may yield lazily
             if pg is None:
                 pg, name = self._ensure_group(targets, bucket[0][1].device)
             body = {"names": [n for n, _ in bucket],
@@ -359,7 +367,7 @@ class WeightSync:
                 futures = [pool.submit(self._call, t.url, "update_weights_from_distributed", body)
                            for t in targets]
                 for _, t in bucket:
-                    dist.broadcast(t.detach().contiguous(), src=0, group=pg)
+                    dist.broadcast(byte_view(t.detach().contiguous()), src=0, group=pg)
                 for f in futures:
                     f.result()
 
