@@ -102,7 +102,7 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         watcher.join(timeout=60)
         line = describe(info.value)  # what `megapkl train` prints after "megapkl: error: "
         assert "\n" not in line and "EnginesStopped" in line, line
-        log = run / "sglang" / "logs" / "engine0.log"
+        log = run / "sglang" / "replica1" / "logs" / "engine0.log"  # rank 1: replica 1 of 2
         assert re.search(rf"http://127\.0\.0\.1:\d+ \(dead, log {re.escape(str(log))}\)", line), line
         assert urls[0] not in line, line  # rank 0's engine did not fail: not named
         assert "rollout.sglang.no_engine_timeout_s" in line, line
