@@ -171,7 +171,8 @@ def subprocess_out(argv):
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
 
 
-@pytest.mark.parametrize("profile", ["local_cpu", TWO_NODES])
+# One node is covered by test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics.
+@pytest.mark.parametrize("profile", [TWO_NODES])
 def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
         trainer_reference, launch_tmp: Path, profile: str) -> None:
     """submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
