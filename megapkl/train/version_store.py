@@ -81,34 +81,38 @@ class VersionStore:
 
     def load(self, version: int) -> Iterator[tuple[str, Tensor]]:
         """Stream (name, tensor) of `version` from its file. A missing or corrupt file raises
-        VersionStoreError naming it (before the first tensor is yielded for a bad header)."""
-        from safetensors import safe_open
-
+        VersionStoreError naming it (before the first tensor is yielded for a bad header).
+        Tensors are read with plain reads, not a memory map: a mapped file's pages would count
+        as this process's memory until the map is closed (one more model copy at the peak)."""
         path = self.path(version)
         if not path.is_file():
             raise VersionStoreError(
                 f"policy version {version} is needed but its file {path} is missing (held: "
                 f"{self.versions()}); was the run directory cleaned or moved?")
+        f = open(path, "rb")
         try:
-            handle = safe_open(str(path), framework="pt")
-            meta = handle.metadata() or {}
-            names = list(handle.keys())
-        except Exception as e:  # safetensors raises its own error types for bad headers
+            entries, meta = _read_header(f, path.stat().st_size)
+        except (ValueError, KeyError, TypeError) as e:
+            f.close()
             raise VersionStoreError(f"policy version {version}: {path} is corrupt or not a "
                                     f"safetensors file ({e})") from e
         if meta.get("version") != str(version):
+            f.close()
             raise VersionStoreError(f"policy version {version}: {path} holds version "
                                     f"{meta.get('version')!r}")
-        return self._stream(handle, names, path, version)
+        return self._stream(f, entries, path, version)
 
     @staticmethod
-    def _stream(handle, names, path: Path, version: int) -> Iterator[tuple[str, Tensor]]:
-        for name in names:
-            try:
-                yield name, handle.get_tensor(name)
-            except Exception as e:
-                raise VersionStoreError(f"policy version {version}: {path} is corrupt at tensor "
-                                        f"'{name}' ({e})") from e
+    def _stream(f, entries, path: Path, version: int) -> Iterator[tuple[str, Tensor]]:
+        with f:
+            for name, dtype, shape, start, size in entries:
+                t = torch.empty(shape, dtype=dtype)
+                f.seek(start)
+                got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) if size else 0
+                if got != size:
+                    raise VersionStoreError(f"policy version {version}: {path} is corrupt at "
+                                            f"tensor '{name}' ({got} of {size} bytes)")
+                yield name, t
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -135,6 +139,35 @@ class VersionStore:
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64",
            torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def _read_header(f, file_size: int) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]],
+                                              dict]:
+    """([(name, dtype, shape, absolute start, bytes)], metadata) of a safetensors file, checked
+    as safetensors checks it: the header fits, offsets are contiguous and cover the file exactly,
+    each tensor's bytes match its dtype and shape. ValueError / KeyError / TypeError otherwise."""
+    n = int.from_bytes(f.read(8), "little")
+    if not 0 < n <= file_size - 8:
+        raise ValueError(f"header length {n} does not fit a file of {file_size} bytes")
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    entries, end = [], 0
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dtype = _FROM_NAME[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        lo, hi = (int(x) for x in info["data_offsets"])
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if lo != end or hi - lo != size:
+            raise ValueError(f"tensor '{name}': data offsets {[lo, hi]} do not follow on from "
+                             f"{end} with {size} bytes")
+        entries.append((name, dtype, shape, 8 + n + lo, size))
+        end = hi
+    if 8 + n + end != file_size:
+        raise ValueError(f"the tensors end at byte {8 + n + end}, the file has {file_size}")
+    return entries, meta
 
 
 def write_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
