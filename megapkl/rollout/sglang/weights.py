@@ -292,19 +292,34 @@ class WeightSync:
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
-            self._segments.start_push()
-            for bucket in stream:
-                payload, alive = serialize_named_tensors(self.transform(bucket), self._segments)
-                self._all(targets, "update_weights_from_tensor",
-                          lambda t: {"serialized_named_tensors": [payload] * t.tp,
-                                     "flush_cache": False})
-                del alive  # the servers have read the bucket: its shared memory may go
+            self._send_tensor(targets, stream)
         elif self.s.mode == "distributed":
             self._send_distributed(targets, stream)
         else:
             path = self._export(stream, version)
             self._all(targets, "update_weights_from_disk",
                       lambda t: {"model_path": str(path), "flush_cache": False})
+
+    def _send_tensor(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
+        """Bucket k + 1 is copied into shared memory (a worker thread) while the servers load
+        bucket k: the two copies overlap instead of taking turns."""
+        def prepare(bucket: NamedTensors) -> tuple[str, list[Tensor]]:
+            return serialize_named_tensors(self.transform(bucket), self._segments)
+
+        self._segments.start_push()
+        first = next(stream, None)
+        if first is None:
+            return
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(prepare, first)
+            while pending is not None:
+                payload, alive = pending.result()
+                following = next(stream, None)
+                pending = pool.submit(prepare, following) if following is not None else None
+                self._all(targets, "update_weights_from_tensor",
+                          lambda t: {"serialized_named_tensors": [payload] * t.tp,
+                                     "flush_cache": False})
+                del alive  # the servers have read the bucket: its shared memory may go
 
     # ------------------------------------------------------------------ distributed
     def _ensure_group(self, targets: Sequence[Target], device: torch.device):
