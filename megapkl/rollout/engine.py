@@ -124,6 +124,13 @@ class RolloutEngine(abc.ABC):
     def health(self) -> dict[str, Any]:
         """A small status mapping; raises RolloutEngineError when the engine cannot serve."""
 
+    def new_batch(self) -> None:
+        """A new batch of rollouts begins (engines keeping per-batch state reset it)."""
+
+    def keep_answers(self) -> None:
+        """The batch is interrupted: keep what was generated for a resumed run, where the engine
+        can (SGLangEngine: sglang/answers.py)."""
+
     def close(self) -> None:
         """Release the engine; any later call raises RolloutEngineError. Idempotent."""
         self._closed = True

@@ -150,9 +150,13 @@ class RolloutStage:
         failed, with the rollout state as it was before the batch (a checkpoint taken then is
         the one of the last finished update, and a resume regenerates the batch exactly)."""
         prompts, held = self.prompts.state_dict(), self.engine.version if self.leader else None
+        if self.leader:
+            self.engine.new_batch()
         try:
             return self._collect(batch, group_versions)
         except EnginesDown:
+            if self.leader:  # what this rank's engine answered is there for the resumed run
+                self.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
             # The engine's version before the batch, if the store still has it (the loop forgets
             # versions the schedule no longer needs at the start of the update); else the resume

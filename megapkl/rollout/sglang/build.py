@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_address, pick_ports,
@@ -132,6 +133,7 @@ def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
                       transform=transform or identity,
                       hf_config=hf_config)
     engine = SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
+                          answers=AnswerStore(work / "answered.pt"),
                           max_concurrency=sg.max_concurrency,
                           request_timeout_s=sg.request_timeout_s, max_retries=sg.max_retries)
     atexit.register(engine.close)

@@ -13,6 +13,7 @@ flight on the failed server. Every Sample carries the weight version its server 
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
@@ -22,11 +23,13 @@ from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingP
                                     WeightUpdateError, check_generate_args)
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.answers import AnswerStore, request_key
 from megapkl.rollout.sglang.fleet import Fleet, Worker
 from megapkl.rollout.sglang.protocol import (Decoded, ProtocolError, as_response_list,
                                              decode_response, generate_payload)
 from megapkl.rollout.sglang.weights import Target, WeightSync
 
+log = logging.getLogger(__name__)
 _MASK64 = (1 << 63) - 1
 
 
@@ -47,11 +50,13 @@ class SGLangEngine(RolloutEngine):
         hf_config: the trainer model's HF config mapping (MoE layers for routed experts).
         sync: the weight sync (mode, buckets, pause mode, transform).
         tokenizer: fills Sample.response_text (servers run with --skip-tokenizer-init).
+        answers: where a failed batch leaves its answered groups for the resumed run (answers.py).
     """
 
     def __init__(self, fleet: Fleet, hf_config: dict, sync: WeightSync, *, tokenizer: Any = None,
                  max_concurrency: int = 64, request_timeout_s: float = 3600.0,
-                 max_retries: int = 3, heartbeat: bool = True):
+                 max_retries: int = 3, heartbeat: bool = True,
+                 answers: Optional[AnswerStore] = None):
         super().__init__()
         self.fleet, self.hf_config, self.sync = fleet, dict(hf_config), sync
         self.tokenizer = tokenizer
@@ -59,6 +64,7 @@ class SGLangEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self._weights: Optional[list[tuple[str, Tensor]]] = None
+        self.answers = answers or AnswerStore(None)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-req")
         fleet.resync = self._resync
         if heartbeat:
@@ -138,6 +144,12 @@ class SGLangEngine(RolloutEngine):
                     self.fleet.report_failure(w.url, exc)
 
     # ---- interface: generation -----------------------------------------------------------------
+    def new_batch(self) -> None:
+        self.answers.new_batch()
+
+    def keep_answers(self) -> None:
+        self.answers.keep()
+
     def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
                  ) -> list[Sample]:
         self._check_alive()
@@ -156,6 +168,18 @@ class SGLangEngine(RolloutEngine):
                 for j, d in enumerate(decoded):
                     samples.append(self._make_sample(prompt, group_ids[i], uids[i * n + j], d,
                                                      sampling))
+        except RolloutEngineError:
+            for fut in futures:  # requests in flight when the error came: wait for them
+                if not fut.cancel():
+                    try:
+                        fut.result()
+                    except Exception:  # noqa: BLE001 - their own failures change nothing here
+                        pass
+            kept = self.answers.keep()
+            if kept and self.answers.path is not None:
+                log.warning("generation failed; %d answered prompt groups of this batch kept in "
+                            "%s for the resumed run", kept, self.answers.path)
+            raise
         finally:
             for fut in futures:
                 fut.cancel()
@@ -166,6 +190,11 @@ class SGLangEngine(RolloutEngine):
                         index: int) -> list[Decoded]:
         body = generate_payload(prompt.prompt_ids.tolist(), sampling, n,
                                 seed=request_seed(sampling.seed, index))
+        key = request_key(body, self.fleet.version)
+        kept = self.answers.take(key)  # answered before an outage interrupted this batch
+        if kept is not None:
+            self.answers.record(key, kept)
+            return kept
         errors: list[str] = []
         # sglang-router 0.3.2 drops `return_routed_experts` from the /generate body it forwards
         # (the answer then has no routed_experts): R3 requests go to the workers directly.
@@ -196,6 +225,7 @@ class SGLangEngine(RolloutEngine):
                 errors.append(f"{url}: answered from weight version {sorted(stale)}")
                 self.fleet.report_stale(url, min(stale))
                 continue
+            self.answers.record(key, decoded)
             return decoded
         raise RolloutEngineError(f"a prompt group failed {self.max_retries + 1} times "
                                  f"(rollout.sglang.max_retries): " + " | ".join(errors[-3:]))
