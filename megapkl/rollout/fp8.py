@@ -300,6 +300,12 @@ def check_fp8_stream(named_tensors: Iterable[tuple[str, Tensor]],
         yield name, tensor
 
 
+def byte_view(t: Tensor) -> Tensor:
+    """`t` itself, or for a 1-byte float (FP8) the uint8 view of the same memory: gloo cannot
+    broadcast FP8 dtypes, and the bytes on the wire are the same either way."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 
 def unshared(tensor: Tensor, seen: set[int]) -> Tensor:

@@ -419,9 +419,7 @@ class ServeState:
             named = []
             for n, d, s in specs:
                 t = torch.empty(s, dtype=d, device=device)
-                # FP8 travels as its bytes (gloo has no FP8 dtype; NCCL sends the same bytes)
-                dist.broadcast(t.view(torch.uint8) if d.itemsize == 1 and d.is_floating_point
-                               else t, src=0, group=pg)
+                dist.broadcast(FP8.byte_view(t), src=0, group=pg)  # FP8 travels as bytes
                 named.append((n, t))
         else:
             raise RequestError(f"load_format: {load_format!r} is not supported for distributed "

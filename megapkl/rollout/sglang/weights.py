@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from megapkl.rollout.engine import WeightUpdateError
+from megapkl.rollout.fp8 import SCALE_SUFFIX, byte_view
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
 
@@ -60,13 +61,7 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
         raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
     # An FP8 weight's `_scale_inv` travels in its weight's bucket: a server loads each bucket
     # on its own and dequantizes a weight only with its scale.
-    return bucketed(named_tensors, bucket_bytes, joins=lambda n: n.endswith("_scale_inv"))
-
-
-def byte_view(t: Tensor) -> Tensor:
-    """`t` itself, or for a 1-byte float (FP8) the uint8 view of the same memory: gloo cannot
-    broadcast FP8 dtypes, and the bytes on the wire are the same either way."""
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    return bucketed(named_tensors, bucket_bytes, joins=lambda n: n.endswith(SCALE_SUFFIX))
 
 
 def serialize_named_tensors(named_tensors: NamedTensors, segments: Optional["SharedSegments"] = None
