@@ -66,11 +66,16 @@ def layer_differs(engine: Sequence[Tensor], own: Sequence[Tensor]) -> Tensor:
     return torch.stack(cols, dim=1) if cols else torch.zeros(0, 0, dtype=torch.bool)
 
 
-def routing_differs(e_b: Tensor, e_t: Tensor) -> Tensor:
-    """[rows] bool for per-token [rows, layers, k] routings: the expert set differs in a layer."""
+def token_layer_differs(e_b: Tensor, e_t: Tensor) -> Tensor:
+    """[rows, layers] bool for per-token [rows, layers, k] routings (`layer_differs`)."""
     if e_b.shape != e_t.shape:
         raise ValueError(f"routed experts {list(e_b.shape)} vs {list(e_t.shape)}")
-    return layer_differs(e_b.unbind(1), e_t.unbind(1)).any(dim=1)
+    return layer_differs(e_b.unbind(1), e_t.unbind(1))
+
+
+def routing_differs(e_b: Tensor, e_t: Tensor) -> Tensor:
+    """[rows] bool for per-token [rows, layers, k] routings: the expert set differs in a layer."""
+    return token_layer_differs(e_b, e_t).any(dim=1)
 
 
 def routing_parts(differs: Tensor, counted: Tensor) -> Tensor:
@@ -104,12 +109,9 @@ def mismatch_metrics(logp_behav, logp_trainer, experts_behav=None, experts_train
                      ) -> dict[str, float]:
     """The metrics of one process's responses (see the module docstring); experts, when given,
     are one [rows, layers, k] tensor (or None) per response, every row counted."""
-    diffs = []
-    for b, t in zip(experts_behav or [], experts_trainer or [], strict=True):
-        if b is not None and t is not None:
-            if b.shape != t.shape:
-                raise ValueError(f"routed experts {list(b.shape)} vs {list(t.shape)}")
-            diffs.append(layer_differs(b.unbind(1), t.unbind(1)))
+    diffs = [token_layer_differs(b, t) for b, t in
+             zip(experts_behav or [], experts_trainer or [], strict=True)
+             if b is not None and t is not None]
     route = None
     if diffs:
         d = torch.cat(diffs)
