@@ -85,7 +85,7 @@ def memcpy_seconds(weights, repeats: int) -> float:
 
 def bench_modes(args, spec: str, weights, work: Path, fp8: bool, nbytes: int, base: float
                 ) -> list[dict]:
-    from megapkl.rollout.fp8 import FP8Transform
+    from megapkl.rollout.fp8 import sync_transform
     from megapkl.rollout.sglang import http
     from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync, free_port
     from megapkl.rollout.sglang.weights import identity
@@ -97,7 +97,7 @@ def bench_modes(args, spec: str, weights, work: Path, fp8: bool, nbytes: int, ba
         for mode in ("tensor", "distributed", "disk"):
             sync = WeightSync(SyncSettings(mode=mode, bucket_bytes=int(args.bucket_mb * MiB),
                                            timeout_s=1800), export_dir=work,
-                              transform=FP8Transform() if fp8 else identity)
+                              transform=sync_transform() if fp8 else identity)  # as rollout.fp8
             best = float("inf")
             for _ in range(args.repeats + 1):  # the first sync also sets up (shm, group, files)
                 version += 1
