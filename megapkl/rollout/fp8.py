@@ -36,6 +36,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from megapkl.rollout import fp8_cpu
+
 E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # smallest normal fp32: the scale of an all-zero (or vanishing) block
 BLOCK = (128, 128)
@@ -132,16 +134,36 @@ def _block_amax(blocks: Tensor, name: str) -> Tensor:
         amax = torch.maximum(blocks.amax(dim=(1, 3)).float(), -blocks.amin(dim=(1, 3)).float())
         finite = bool(torch.isfinite(amax).all())
     if not finite:
-        raise FP8Error(f"FP8 quantization of '{name}': the weight contains NaN or Inf")
+        raise FP8Error(f"FP8 quantization of '{name}': it contains NaN or Inf")
     return amax
+
+
+def _check_weight(weight: Tensor, name: str) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise FP8Error(f"FP8 quantization of '{name}': expected a 2-D float tensor, got "
+                       f"{weight.dtype} {list(weight.shape)}")
 
 
 def quantize_block_fp8(weight: Tensor, block: Sequence[int] = BLOCK, name: str = "weight"
                        ) -> tuple[Tensor, Tensor]:
-    """(e4m3 weight [N, K], fp32 scale_inv [ceil(N/b0), ceil(K/b1)]) of a 2-D float weight."""
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise FP8Error(f"FP8 quantization of '{name}': expected a 2-D float tensor, got "
-                       f"{weight.dtype} {list(weight.shape)}")
+    """(e4m3 weight [N, K], fp32 scale_inv [ceil(N/b0), ceil(K/b1)]) of a 2-D float weight.
+    bf16 / fp32 weights on the CPU go through the compiled kernel (fp8_cpu: the same numbers,
+    several times faster than torch's scalar float8 cast); everything else through torch."""
+    _check_weight(weight, name)
+    fast = fp8_cpu.quantize(weight.detach().contiguous(), block)
+    if fast is None:
+        return quantize_block_fp8_torch(weight, block, name)
+    q, scale, bad = fast
+    if bad >= 0:
+        raise FP8Error(f"FP8 quantization of '{name}': it contains NaN or Inf")
+    return q, scale
+
+
+def quantize_block_fp8_torch(weight: Tensor, block: Sequence[int] = BLOCK, name: str = "weight"
+                             ) -> tuple[Tensor, Tensor]:
+    """quantize_block_fp8 in torch operations: the path of GPU weights (and of CPUs without a C
+    compiler); tests/rollout/test_fp8_cpu.py checks the kernel against it bit for bit."""
+    _check_weight(weight, name)
     rows, cols = weight.shape
     nr, nc = _blocks(weight.shape, block)
     blocks = _padded(weight.detach().contiguous(), nr, nc, block).view(nr, block[0], nc, block[1])
@@ -159,10 +181,20 @@ def quantize_block_fp8(weight: Tensor, block: Sequence[int] = BLOCK, name: str =
 def dequantize_block_fp8(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.bfloat16,
                          block: Sequence[int] = BLOCK, name: str = "weight") -> Tensor:
     """The weight an FP8 engine computes with: q * scale_inv per block, in `dtype`."""
-    nr, nc = _blocks(q.shape, block)
+    nr, nc = _blocks(q.shape, block) if q.dim() == 2 else (None, None)
     if q.dim() != 2 or tuple(scale_inv.shape) != (nr, nc):
         raise FP8Error(f"'{name}': scale_inv shape {list(scale_inv.shape)} does not fit weight "
                        f"{list(q.shape)} in {list(block)} blocks (expected [{nr}, {nc}])")
+    fast = fp8_cpu.dequantize(q, scale_inv, dtype, block)
+    if fast is not None:
+        return fast
+    return dequantize_block_fp8_torch(q, scale_inv, dtype, block)
+
+
+def dequantize_block_fp8_torch(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.bfloat16,
+                               block: Sequence[int] = BLOCK) -> Tensor:
+    """dequantize_block_fp8 in torch operations (GPUs, other dtypes, CPUs without a compiler)."""
+    nr, nc = _blocks(q.shape, block)
     rows, cols = q.shape
     w = _padded(q.float(), nr, nc, block).view(nr, block[0], nc, block[1])
     w = (w * scale_inv.float()[:, None, :, None]).view(nr * block[0], nc * block[1])
@@ -172,17 +204,11 @@ def dequantize_block_fp8(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torc
 def fake_quant_activation(x: Tensor, group: int = BLOCK[1]) -> Tensor:
     """Dynamic activation quantization of a block-FP8 linear layer (activation_scheme dynamic):
     per token, each group of `group` input features gets s = max(amax / 448, 2^-126) and the values
-    e4m3(x / s) * s, returned in x's dtype (what the layer's FP8 GEMM effectively multiplies)."""
-    k = x.shape[-1]
-    n = math.ceil(k / group)
-    flat = x.reshape(-1, k).float()
-    if n * group != k:
-        flat = torch.nn.functional.pad(flat, (0, n * group - k))
-    g = flat.view(flat.shape[0], n, group)
-    scale = (g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_(min=MIN_SCALE)
-    q = (g / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    out = (q.float() * scale).view(flat.shape[0], n * group)[:, :k]
-    return out.reshape(x.shape).to(x.dtype)
+    e4m3(x / s) * s, returned in x's dtype (what the layer's FP8 GEMM effectively multiplies): the
+    weight quantizer with [1, group] blocks, then its dequantization."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_block_fp8(flat, (1, group), "activation")
+    return dequantize_block_fp8(q, scale, x.dtype, (1, group)).reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------------- streams

@@ -8,6 +8,18 @@ import pytest
 import torch
 
 from megapkl.rollout import fp8 as F
+from megapkl.rollout import fp8_cpu
+
+# Both quantizers answer to the reference: the compiled CPU kernel (what quantize_block_fp8 runs for
+# bf16 / fp32 CPU weights) and the torch path (GPU weights, CPUs without a C compiler).
+IMPLS = {"kernel": F.quantize_block_fp8, "torch": F.quantize_block_fp8_torch}
+
+
+@pytest.fixture(params=list(IMPLS))
+def quantize(request):
+    if request.param == "kernel" and not fp8_cpu.available():
+        pytest.skip("no C compiler: the FP8 CPU kernel is not built (CI requires it: test_fp8_cpu)")
+    return IMPLS[request.param]
 
 # ------------------------------------------------------------------------- float64 reference
 # Written from the definitions, not from the implementation: explicit loops over blocks, the e4m3
@@ -66,8 +78,8 @@ def adversarial() -> dict[str, torch.Tensor]:
     return out
 
 
-def check_against_reference(w: torch.Tensor) -> None:
-    q, s = F.quantize_block_fp8(w)
+def check_against_reference(w: torch.Tensor, quantize) -> None:
+    q, s = quantize(w)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert q.shape == w.shape and s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
     rq, rs = ref_quantize(w)
@@ -78,26 +90,27 @@ def check_against_reference(w: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("shape,scale", [((128, 128), 1.0), ((200, 300), 0.02), ((257, 129), 5.0),
                                          ((3, 1000), 1e-3)])
-def test_random_matches_float64_reference(shape, scale):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_matches_float64_reference(shape, scale, dtype, quantize):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * scale
-    check_against_reference(w)
+    check_against_reference(w.to(dtype), quantize)
 
 
 @pytest.mark.parametrize("case", list(adversarial()))
-def test_adversarial_matches_reference(case):
-    check_against_reference(adversarial()[case])
+def test_adversarial_matches_reference(case, quantize):
+    check_against_reference(adversarial()[case], quantize)
 
 
-def test_ties_round_to_even_and_saturate():
-    q, s = F.quantize_block_fp8(adversarial()["ties"])
+def test_ties_round_to_even_and_saturate(quantize):
+    q, s = quantize(adversarial()["ties"])
     assert float(s[0, 0]) == 1.0
     got = q[1, :8].float().tolist()
     assert got == [1.0, 1.25, 16.0, 20.0, 0.00390625, -1.0, 448.0, 0.0]
 
 
-def bound_ratio(w: torch.Tensor) -> float:
+def bound_ratio(w: torch.Tensor, quantize) -> float:
     """max over elements of |w - deq| / (ERROR_REL |w| + ERROR_ABS s); <= 1 is the stated bound."""
-    q, s = F.quantize_block_fp8(w)
+    q, s = quantize(w)
     deq = F.dequantize_block_fp8(q, s, torch.float64)
     w64 = w.to(torch.float64)
     s_el = s.to(torch.float64).repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
@@ -105,17 +118,17 @@ def bound_ratio(w: torch.Tensor) -> float:
     return float((err / (F.ERROR_REL * w64.abs() + F.ERROR_ABS * s_el)).max())
 
 
-def test_round_trip_error_bound_random_and_adversarial():
+def test_round_trip_error_bound_random_and_adversarial(quantize):
     g = torch.Generator().manual_seed(7)
     cases = dict(adversarial())
     cases["normal"] = torch.randn(512, 384, generator=g)
     cases["lognormal"] = torch.exp(torch.randn(256, 256, generator=g) * 6) * torch.sign(torch.randn(256, 256, generator=g))
-    ratios = {k: bound_ratio(w) for k, w in cases.items()}
+    ratios = {k: bound_ratio(w, quantize) for k, w in cases.items()}
     assert max(ratios.values()) <= 1.0, ratios
     # The bound is attained up to rounding (it is tight), so it is a statement, not a loose guess.
     assert ratios["normal"] > 0.9, ratios
     w = cases["normal"]
-    deq = F.dequantize_block_fp8(*F.quantize_block_fp8(w), torch.float32)
+    deq = F.dequantize_block_fp8(*quantize(w), torch.float32)
     rel = float(((w - deq).abs() / w.abs().clamp(min=1e-3)).max())
     print(f"fp8 round trip: bound ratio {ratios}, max relative error (|w| >= 1e-3) {rel:.4f}")
 
@@ -139,14 +152,16 @@ def test_activation_quantization_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nonfinite_weight_is_an_error_naming_it(dtype, bad):
+def test_nonfinite_weight_is_an_error_naming_it(dtype, bad, quantize):
     w = torch.randn(200, 300, dtype=dtype)  # padded blocks: the bad value sits in a partial one
     w[170, 290] = bad
     with pytest.raises(F.FP8Error, match="layers.0.mlp.up_proj.weight.*NaN or Inf"):
         list(F.FP8Transform()([("model.layers.0.mlp.up_proj.weight", w)]))
+    with pytest.raises(F.FP8Error, match="'w'.*NaN or Inf"):
+        quantize(w, name="w")
     # the largest finite value (of fp32 at most: the scale is fp32) is fine
     w[170, 290] = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    q, s = F.quantize_block_fp8(w)
+    q, s = quantize(w)
     assert torch.isfinite(s).all() and torch.isfinite(q.float()).all()
 
 
