@@ -64,37 +64,58 @@ class Evaluator:
         return out
 
     def run(self, version: int) -> dict[str, float]:
-        from megapkl.eval.runner import (evaluate, flat_metrics, settings, summarize_records,
-                                         write_results)
+        """Collective. An engine failure on any rank raises EnginesDown on every rank (after the
+        gather, so no rank is left alone in a collective)."""
+        from megapkl.eval.runner import flat_metrics, settings, summarize_records, write_results
+        from megapkl.train.rollouts import EnginesDown
+
+        t = self.t
+        failure, records = self._evaluate_here(version)
+        gathered = [(failure, records)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (failure, records))
+        failures = [f for f, _ in gathered if f]
+        if failures:
+            raise EnginesDown("; ".join(dict.fromkeys(failures)))
+        if t.rank != 0:
+            return {}
+        everything = [r for _, part in gathered for r in part]
+        summary = {"step": version, **summarize_records(self.benchmarks, everything),
+                   "settings": settings(self.cfg, t.cfg.rollout, self.benchmarks)}
+        write_results(self.out_dir, version, summary, everything)
+        return flat_metrics(summary)
+
+    def _evaluate_here(self, version: int) -> tuple[Optional[str], list]:
+        """(None, this rank's records) or (the engine's failure on one line, [])."""
+        from megapkl.eval.runner import evaluate
+        from megapkl.rollout.engine import RolloutEngineError
+        from megapkl.train.rollouts import one_line
 
         t = self.t
         stage = t.rollouts
-        weights = t.learner.export()  # collective: every rank iterates it
-        records = []
-        if stage.engine is not None:
-            previous = stage.engine.version
-            if stage.transform is not None:  # FP8 rollouts: the engine only ever gets FP8
-                weights = stage.transform(weights)
+        export = t.learner.export()  # collective: every rank iterates it to the end
+        if stage.engine is None:
+            for _ in export:
+                pass
+            return None, []
+        previous = stage.engine.version
+        try:
+            # FP8 rollouts: the engine only ever gets FP8
+            weights = stage.transform(export) if stage.transform is not None else export
             stage.engine.update_weights(weights, version=version)
             records = evaluate(stage.engine, self.benchmarks, self.cfg, t.cfg.rollout, step=version,
                                seed=t.cfg.seed, scoring=self.scoring,
                                share=(t.groups.dp_rank, t.groups.dp_size))
             if previous is not None and previous != version and previous in stage.store.versions():
                 stage._use_version(previous)  # back to the version rollouts were using
-        else:
-            for _ in weights:
+            return None, records
+        except RolloutEngineError as exc:
+            for _ in export:  # the rest of the export, which the other ranks are iterating
                 pass
-        gathered = [records]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
-        if t.rank != 0:
-            return {}
-        everything = [r for part in gathered for r in part]
-        summary = {"step": version, **summarize_records(self.benchmarks, everything),
-                   "settings": settings(self.cfg, t.cfg.rollout, self.benchmarks)}
-        write_results(self.out_dir, version, summary, everything)
-        return flat_metrics(summary)
+            # A checkpoint taken now records the version rollouts were using, not the eval's.
+            stage._checkpoint_version = (previous if previous in stage.store.versions() else None,)
+            return one_line(str(exc)), []
 
     def close(self) -> None:
         self.scoring.close()

@@ -329,9 +329,10 @@ def stop_if_requested(trainer, u: int, saved: bool) -> bool:
 
 def save_for_outage(trainer, update: int) -> str:
     """Collective, when the rollout engines failed during update `update` (before its training
-    step): the checkpoint of the last finished update, unless it exists already (checkpoint.every,
-    or the resume point); returns the sentence for the error. The rollout stage has put its state
-    back to the start of the batch, so a resume regenerates the batch exactly."""
+    step), or in the evaluation after update `update - 1`: the checkpoint of the last finished
+    update, unless it exists already (checkpoint.every, or the resume point); returns the sentence
+    for the error. The rollout stage has put its state back to the start of the batch (or to the
+    version rollouts used before the evaluation), so a resume continues exactly."""
     if update == 0:
         return "no update had finished, so there is nothing to checkpoint"
     exists = [(step_dir(trainer.cfg, update) / MARKER).is_file()]

@@ -129,7 +129,7 @@ class Trainer:
             self.check_finite(u, metrics, applied)
             metrics.update(self.rollout_metrics(plan, minibatch, t2 - t1, t1 - t0))
             metrics.update(exact, **(self.rollouts.load_metrics() if plan.new_batch else {}))
-            metrics.update(self.evaluator.after_update(u) if self.evaluator else {})
+            metrics.update(self.evaluate(u, metrics))
             self.logger.log(u, metrics)
             last = metrics
             saved = self.checkpoint_due(u)
@@ -173,6 +173,19 @@ class Trainer:
             logp = self.learner.logprobs(self.learner.pack(self.batch))
             for s in self.batch:
                 s.logp_prox = logp[s.uid]
+
+    def evaluate(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
+        """eval/* metrics for update u's row (eval.every). If the evaluation's engines fail (on
+        every rank at once), update u is finished: its row is logged, it is checkpointed, and the
+        run stops as after a rollout outage."""
+        if not self.evaluator:
+            return {}
+        try:
+            return self.evaluator.after_update(u)
+        except EnginesDown as exc:
+            self.logger.log(u, metrics)
+            raise EnginesStopped(f"update {u}: the evaluation's engines failed: {exc}; "
+                                 + ckpt.save_for_outage(self, u + 1)) from None
 
     def minibatch(self, plan) -> list:
         n = self.cfg.rollout.minibatches_per_batch

@@ -200,7 +200,7 @@ class RolloutStage:
             try:
                 out = [self._generate_here(batch, rnd, todo)]
             except RolloutEngineError as exc:
-                out = [_Outage(_one_line(str(exc)))]
+                out = [_Outage(one_line(str(exc)))]
         if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
             dist.broadcast_object_list(out, src=dist.get_global_rank(self.replica_group, 0),
                                        group=self.replica_group)
@@ -277,7 +277,7 @@ class RolloutStage:
             self._use_version(v)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """An engine's multi-line message (a header, then one engine a line) as one line."""
     out = ""
     for line in (" ".join(ln.split()) for ln in text.splitlines()):

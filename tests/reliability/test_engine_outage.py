@@ -1,6 +1,7 @@
-"""No rollout engine can serve (rollout.sglang.no_engine_timeout_s): the run checkpoints its last
-finished update on every rank, stops with one error naming the failed engine, and a resume from
-that checkpoint logs the uninterrupted run's metrics.
+"""No rollout engine can serve (rollout.sglang.no_engine_timeout_s), while generating a batch or
+while evaluating (eval.every): the run checkpoints its last finished update on every rank, stops
+with one error naming the failed engine, and a resume from that checkpoint logs the uninterrupted
+run's metrics.
 
 Real processes: DP=2 trainer ranks over gloo (megatron-core learner), each rank's SGLang engine on
 its own `megapkl serve` worker. In the failing run rank 1's server is launched by the trainer (its
@@ -9,6 +10,7 @@ must take the same decision (or the collective save would hang).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -46,6 +48,8 @@ serve = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--mode
 while serve.poll() is None and not os.path.exists(stop):
     time.sleep(0.05)
 serve.kill()
+serve.wait()
+open(stop + ".dead", "w").close()
 """
 
 
@@ -80,6 +84,18 @@ def _touch_after(stop: Path, run_dir: Path, rows: int) -> threading.Thread:
     return t
 
 
+@contextlib.contextmanager
+def _two_workers(tmp_path: Path):
+    """The urls of two healthy `megapkl serve` workers, stopped afterwards."""
+    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
+    try:
+        wait_healthy(workers)
+        yield [w.url for w in workers]
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def _rows(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -88,10 +104,7 @@ def _rows(run_dir: Path) -> int:
 def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_run, tmp_path):
     from megapkl.cli import describe
 
-    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
-    try:
-        wait_healthy(workers)
-        urls = [w.url for w in workers]
+    with _two_workers(tmp_path) as urls:
         ref = tmp_path / "reference"
         dist_run(_rank, 2, _cfgs(ref, urls), timeout=300)
 
@@ -119,6 +132,65 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         got, want = read_metrics(run), read_metrics(ref)
         assert [r["step"] for r in got] == list(range(STEPS))
         assert comparable(got) == comparable(want)
-    finally:
-        for w in workers:
-            w.stop()
+
+
+EVAL = ["eval.every=2", "eval.benchmarks=[{name: next_mod10, greedy: true}]"]
+
+
+def _rank_dies_before_eval(rank, world, cfgs, stop):  # noqa: ARG001
+    """Rank 1 kills its own server (the stop file) right before the evaluation after update 1 and
+    waits until it is gone, so the engine fails inside that evaluation, on rank 1 only."""
+    if rank == 1:
+        from megapkl.eval.hook import Evaluator
+
+        original = Evaluator.after_update
+
+        def after_update(self, u):
+            if u == 1:
+                stop.touch()
+                deadline = time.monotonic() + 60
+                while not Path(str(stop) + ".dead").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return original(self, u)
+
+        Evaluator.after_update = after_update
+    return _rank(rank, world, cfgs)
+
+
+def _without_eval(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in comparable(rows)]
+
+
+def test_engine_outage_during_evaluation_checkpoints_the_finished_update(dist_run, tmp_path):
+    """Before: rank 0 waited in the evaluation's gather for a rank whose engine had failed."""
+    from megapkl.cli import describe
+
+    with _two_workers(tmp_path) as urls:
+        ref = tmp_path / "reference"
+        dist_run(_rank, 2, _cfgs(ref, urls, *EVAL), timeout=300)
+
+        run, stop = tmp_path / "run", tmp_path / "stop"
+        with pytest.raises(WorkerError) as info:
+            dist_run(_rank_dies_before_eval, 2, _cfgs(run, urls, *EVAL, doomed=stop), stop,
+                     timeout=300)
+        line = describe(info.value)
+        assert "\n" not in line and "EnginesStopped" in line, line
+        assert "update 1: the evaluation's engines failed" in line, line
+        log = run / "sglang" / "replica1" / "logs" / "engine0.log"
+        assert re.search(rf"http://127\.0\.0\.1:\d+ \(dead, log {re.escape(str(log))}\)", line), line
+        assert urls[0] not in line, line
+        saved = run / "checkpoints" / "step_00000002"
+        assert f"checkpoint {saved} holds the 2 finished updates" in line, line
+        ckpt.verify(saved)
+        rows = read_metrics(run)
+        assert [r["step"] for r in rows] == [0, 1]  # update 1 finished: its row, without eval/*
+        assert not [k for k in rows[1] if k.startswith("eval/")]
+
+        dist_run(_rank, 2, _cfgs(run, urls, *EVAL, "checkpoint.resume=true"), timeout=300)
+        got, want = read_metrics(run), read_metrics(ref)
+        assert [r["step"] for r in got] == list(range(STEPS))
+        assert _without_eval(got) == _without_eval(want)
+        evals = [r["step"] for r in want if any(k.startswith("eval/") for k in r)]
+        assert evals == [1, 3, 5, 7]
+        assert [r for r in comparable(got) if r["step"] != 1] == \
+            [r for r in comparable(want) if r["step"] != 1]  # the later evaluations agree too
