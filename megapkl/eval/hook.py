@@ -113,8 +113,7 @@ class Evaluator:
         except RolloutEngineError as exc:
             for _ in export:  # the rest of the export, which the other ranks are iterating
                 pass
-            # A checkpoint taken now records the version rollouts were using, not the eval's.
-            stage._checkpoint_version = (previous if previous in stage.store.versions() else None,)
+            stage.checkpoint_engine_at(previous)  # the version rollouts were using, not the eval's
             return one_line(str(exc)), []
 
     def close(self) -> None:

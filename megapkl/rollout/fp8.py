@@ -150,7 +150,7 @@ def quantize_block_fp8(weight: Tensor, block: Sequence[int] = BLOCK, name: str =
     bf16 / fp32 weights on the CPU go through the compiled kernel (fp8_cpu: the same numbers,
     several times faster than torch's scalar float8 cast); everything else through torch."""
     _check_weight(weight, name)
-    fast = fp8_cpu.quantize(weight.detach().contiguous(), block)
+    fast = fp8_cpu.quantize(weight.detach(), block)
     if fast is None:
         return quantize_block_fp8_torch(weight, block, name)
     q, scale, bad = fast

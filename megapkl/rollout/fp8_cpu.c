@@ -1,7 +1,8 @@
-/* Block-FP8 (e4m3) quantization of a CPU weight: the same numbers as the torch path of
- * megapkl/rollout/fp8.py (quantize_block_fp8), bit for bit, in two passes over each block row
- * (the row of 128x128 blocks fits in L2, so the second pass reads from cache). Written as plain
- * branch-free scalar C that the compiler vectorizes; compiled on first use by fp8_cpu.py.
+/* Block-FP8 (e4m3) quantization and dequantization of CPU weights: the same numbers, bit for bit,
+ * as the torch path of megapkl/rollout/fp8.py (quantize_block_fp8_torch, dequantize_block_fp8_torch).
+ * Quantization takes two passes over each block row (a row of 128x128 blocks fits in L2, so the
+ * second pass reads from cache). Written as plain branch-free scalar C that the compiler
+ * vectorizes; compiled on first use by fp8_cpu.py.
  *
  * Per block with largest magnitude a:  s = max(fp32(a / 448), 2^-126)
  * per element:                         q = e4m3_rne(clamp(fp32(w / s), -448, 448))

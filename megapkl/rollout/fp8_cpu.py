@@ -95,7 +95,7 @@ def _why(e: Exception) -> str:
 
 
 def _load():
-    """The loaded library and a thread pool, or None (after one warning) when it cannot be built."""
+    """The loaded library, or None (after one warning) when it cannot be built."""
     with _lock:
         if "lib" not in _state:
             try:
@@ -123,15 +123,16 @@ def available() -> bool:
 
 
 def quantize(weight: Tensor, block: Sequence[int]) -> Optional[tuple[Tensor, Tensor, int]]:
-    """(e4m3 q, fp32 scale_inv, bad) for a contiguous 2-D bf16/fp32 CPU weight, where bad is -1 or
-    a block row holding NaN/Inf; None when the kernel does not apply (other device or dtype, or no
+    """(e4m3 q, fp32 scale_inv, bad) for a 2-D bf16/fp32 CPU weight, where bad is -1 or a block
+    row holding NaN/Inf; None when the kernel does not apply (other device or dtype, or no
     compiler), and the caller quantizes with torch."""
     if weight.device.type != "cpu" or weight.dtype not in _SYMBOLS or weight.dim() != 2 \
-            or not weight.is_contiguous() or weight.numel() == 0:
+            or weight.numel() == 0:
         return None
     lib = _load()
     if lib is None:
         return None
+    weight = weight.contiguous()
     rows, cols = weight.shape
     b0, b1 = int(block[0]), int(block[1])
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)

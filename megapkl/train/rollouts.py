@@ -158,11 +158,15 @@ class RolloutStage:
             if self.leader:  # what this rank's engine answered is there for the resumed run
                 self.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
-            # The engine's version before the batch, if the store still has it (the loop forgets
-            # versions the schedule no longer needs at the start of the update); else the resume
-            # loads what the batch needs, as the uninterrupted run did.
-            self._checkpoint_version = (held if held in self.store.versions() else None,)
+            self.checkpoint_engine_at(held)
             raise
+
+    def checkpoint_engine_at(self, version: Optional[int]) -> None:
+        """After an engine failure: checkpoints taken from now on record `version` (the one the
+        engine held before the failed batch or evaluation) as the engine's, if the store still has
+        it (the loop forgets versions the schedule no longer needs at the start of an update);
+        else a resume loads what the next batch needs, as the uninterrupted run did."""
+        self._checkpoint_version = (version if version in self.store.versions() else None,)
 
     def _collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
         kept: list[list[Sample]] = []

@@ -97,7 +97,7 @@ def rss_kib(field: str) -> int:
 
 def memory_side(args) -> dict:
     """One side of the memory benchmark, in this process (run through a subprocess)."""
-    from megapkl.rollout.fp8 import FP8Transform
+    from megapkl.rollout.fp8 import SCALE_SUFFIX, FP8Transform
     from megapkl.train.version_store import VersionStore
 
     shapes = {"model.embed_tokens.weight": (args.mem_vocab, H), **layer_shapes(args.mem_layers)}
@@ -128,7 +128,7 @@ def memory_side(args) -> dict:
                 store.delete_before(v - held + 1)
             staged = {n: t.clone() for n, t in store.load(held)}  # an engine's staging copy
             # every live weight staged (under FP8: each quantized one plus its `_scale_inv`)
-            assert {n for n in staged if not n.endswith("_scale_inv")} == set(live)
+            assert {n for n in staged if not n.endswith(SCALE_SUFFIX)} == set(live)
             disk = store.nbytes()
             del staged
     peak = (rss_kib("VmHWM") - base) * 1024
