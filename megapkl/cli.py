@@ -86,7 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds."""
     path = demo_config_path()
     _load(path, args.overrides)  # a bad override is a config error before anything starts
-    from megapkl.train.demo import run_demo
+    from megapkl.analysis.demo import run_demo
 
     run_demo(path, args.overrides, args.compare, seeds=args.seeds)
     return 0
@@ -94,7 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Every method x seed, then curves with bootstrap bands and a report with intervals."""
-    from megapkl.train.compare import Criteria, compare, headline
+    from megapkl.analysis.compare import Criteria, compare, headline
 
     cfg = _load(args.config, args.overrides)
     base = cfg.seed if args.seed_base is None else args.seed_base
@@ -117,7 +117,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """EMA-smoothed curves of one or several run directories into PNG files."""
-    from megapkl.train.plot import plot_runs, run_ema_alpha
+    from megapkl.analysis.plot import plot_runs, run_ema_alpha
 
     alpha = args.ema if args.ema is not None else run_ema_alpha(args.runs[0])
     files = plot_runs(args.runs, args.out, alpha=alpha)
@@ -127,7 +127,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The embedded engine behind SGLang's HTTP API (its own options: `megapkl serve --help`)."""
-    from megapkl.rollout.serve import main as serve_main
+    from megapkl.serve.serve import main as serve_main
 
     return serve_main(args.serve_args)
 
@@ -193,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="EMA alpha (default: the first run's logging.ema_alpha, else 0.1)")
     plot.set_defaults(func=cmd_plot)
 
-    from megapkl.train.diagnose import add_subcommand as add_diagnose  # diagnose ...
+    from megapkl.analysis.diagnose import add_subcommand as add_diagnose  # diagnose ...
 
     add_diagnose(sub)
 
-    # Its options are parsed by megapkl.rollout.serve (prefix "+" passes every "--x" through), so
+    # Its options are parsed by megapkl.serve.serve (prefix "+" passes every "--x" through), so
     # building this parser never imports torch.
     serve = sub.add_parser("serve", add_help=False, prefix_chars="+", help="the embedded engine "
                            "behind SGLang's HTTP API (not SGLang; docs/serve.md)")
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_subcommands(sub)
     from megapkl.data.cli import add_subcommands as add_data  # data prepare, data list
-    from megapkl.eval.cli import add_subcommands as add_eval  # eval
+    from megapkl.analysis.eval_cli import add_subcommands as add_eval  # eval
 
     add_data(sub)
     add_eval(sub)

@@ -67,7 +67,7 @@ def test_plot_smooths_with_the_runs_ema_alpha(tmp_path) -> None:
     """`logging.ema_alpha` is read back by `megapkl plot` from the run's resolved config."""
     from megapkl.config import load_config
     from megapkl.config.typed import to_dict
-    from megapkl.train.plot import run_ema_alpha
+    from megapkl.analysis.plot import run_ema_alpha
     import yaml
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/base/controlled_staleness.yaml")

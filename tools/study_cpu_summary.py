@@ -5,7 +5,7 @@
 For every setting: each method's final accuracy and area under the accuracy curve with 95%
 bootstrap intervals over the seeds (from the setting's summary.json written by `megapkl compare`).
 Across settings: each method's change between the least and the most off-policy setting, and the
-differences the paper's claim is about, each with its interval (megapkl.train.compare_stats).
+differences the paper's claim is about, each with its interval (megapkl.analysis.compare_stats).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from megapkl.train import compare_stats as st
+from megapkl.analysis import compare_stats as st
 
 CLAIMS = {
     "pkl": (["pkl_k0", "pkl_k4", "pkl_k16"], [("proximal_kl", "grpo"), ("proximal_kl", "pg")]),

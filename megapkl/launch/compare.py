@@ -1,4 +1,4 @@
-"""`megapkl compare --profile P`: the method x seed grid of `megapkl.train.compare` as Slurm job
+"""`megapkl compare --profile P`: the method x seed grid of `megapkl.analysis.compare` as Slurm job
 arrays, one `megapkl sweep` over `seed` per method, so the runs land in exactly the directories a
 local comparison uses (`<out>/<method>/seed-<s>/`) and the same analysis reads them."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 def slurm_runner(profile: str, *, parallelism: Optional[int] = None, dry_run: bool = False,
                  if_exists: str = "resume", wait: Callable[[list[Any]], int] | None = None
                  ) -> Callable[[str, Sequence[Any]], list[Any]]:
-    """A runner for `megapkl.train.compare.compare` that submits one array per method and waits."""
+    """A runner for `megapkl.analysis.compare.compare` that submits one array per method and waits."""
     from megapkl.launch.sweep import sweep
 
     def run(config: str, arms: Sequence[Any]) -> list[Any]:

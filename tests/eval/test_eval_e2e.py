@@ -104,7 +104,7 @@ def test_megapkl_eval_errors_are_one_line(tmp_path, capsys):
 
 
 def test_plot_draws_eval_curves(demo_run, tmp_path):
-    from megapkl.train.plot import _series, plot_runs
+    from megapkl.analysis.plot import _series, plot_runs
 
     files = {p.name for p in plot_runs([demo_run], tmp_path / "plots", metrics=("train/accuracy",))}
     assert {"eval_add_mod10_mean@4.png", "eval_next_mod10_pass@1_greedy.png",

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megapkl.eval.cli import find_run, resolve_checkpoint
+from megapkl.analysis.eval_cli import find_run, resolve_checkpoint
 
 
 def make_run(tmp_path, steps, complete=True):

@@ -25,7 +25,7 @@ from .conftest import TINY, wait_done
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
 STEPS = 4
-SERVE = [sys.executable, "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3",
+SERVE = [sys.executable, "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
          "--host", "{host}", "--port", "{port}"]
 
 

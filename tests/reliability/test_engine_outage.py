@@ -43,7 +43,7 @@ SGLANG = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
 DOOMED = """import os, subprocess, sys, time
 from megapkl.rollout.sglang.launch import _die_with_parent
 host, port, stop = sys.argv[1:4]
-serve = subprocess.Popen([sys.executable, "-m", "megapkl.rollout.serve", "--model-config",
+serve = subprocess.Popen([sys.executable, "-m", "megapkl.serve.serve", "--model-config",
                           "tiny-qwen3", "--host", host, "--port", port], preexec_fn=_die_with_parent)
 while serve.poll() is None and not os.path.exists(stop):
     time.sleep(0.05)

@@ -22,7 +22,7 @@ from megapkl.rollout.sglang.fleet import EnginesUnavailable, Fleet, HealthSettin
 from megapkl.rollout.sglang.launch import LaunchError
 
 pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs a POSIX shell")
-SERVE = ["{python}", "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3",
+SERVE = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
          "--host", "{host}", "--port", "{port}"]
 
 

@@ -187,7 +187,7 @@ def test_client_routes_and_fields_exist_in_sglang(sglang_source):
 
 
 def test_serve_routes_and_fields_exist_in_sglang(sglang_source):
-    from megapkl.rollout import serve_protocol as serve
+    from megapkl.serve import serve_protocol as serve
 
     routes = http_routes(sglang_source["http_server"])
     fields = class_fields(sglang_source["io_struct"])
@@ -202,7 +202,7 @@ def test_serve_routes_and_fields_exist_in_sglang(sglang_source):
 
 def test_serve_answers_every_client_route():
     """Every (method, path) the client calls is served by `megapkl serve` (no wheel needed)."""
-    from megapkl.rollout import serve_protocol as serve
+    from megapkl.serve import serve_protocol as serve
     from megapkl.rollout.sglang import protocol
 
     served = {("POST", p) for p in serve.ROUTE_FIELDS} | {("GET", p) for p in serve.GET_ROUTES}
@@ -230,7 +230,7 @@ def test_serve_model_info_has_sglang_keys(sglang_source):
 
     import torch
 
-    from megapkl.rollout.serve import SGLangCompatServer
+    from megapkl.serve.serve import SGLangCompatServer
 
     config = SimpleNamespace(num_hidden_layers=2, vocab_size=8, max_position_embeddings=16,
                              model_type="qwen3", architectures=["Qwen3ForCausalLM"])

@@ -43,7 +43,7 @@ LEARN = ["parallel.data=1", f"train.steps={STEPS}", "train.lr=1e-2", "rollout.ma
 def serve_command(model: str) -> str:
     """rollout.sglang.server_command: `megapkl serve` with the launcher's placeholders (debug
     logging: one line per HTTP request, counted below)."""
-    return json.dumps(["{python}", "-m", "megapkl.rollout.serve", "--model-config", model,
+    return json.dumps(["{python}", "-m", "megapkl.serve.serve", "--model-config", model,
                        "--host", "{host}", "--port", "{port}", "--log-level", "debug"])
 
 

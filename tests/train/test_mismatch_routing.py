@@ -182,7 +182,7 @@ def test_routing_mismatch_through_sglang_wire_format(dist_run, tmp_path):
     from megapkl.train.local import _rank_main
     from megapkl.train.metrics_log import read_metrics
 
-    serve = ["{python}", "-m", "megapkl.rollout.serve", "--model-config", "tiny-qwen3-moe",
+    serve = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3-moe",
              "--host", "{host}", "--port", "{port}", "--enable-return-routed-experts"]
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         *MOE, "parallel.data=1", "train.steps=1", f"run_dir={tmp_path / 'sg'}",

@@ -44,7 +44,7 @@ def spec_file(shape: str, directory: Path) -> str:
 def start_worker(spec: str, port: int, log: Path, fp8: bool) -> subprocess.Popen:
     from megapkl.rollout.sglang import http
 
-    cmd = [sys.executable, "-m", "megapkl.rollout.serve", "--model-config", spec,
+    cmd = [sys.executable, "-m", "megapkl.serve.serve", "--model-config", spec,
            "--dtype", "bfloat16", "--port", str(port)] + (["--quantization", "fp8"] if fp8 else [])
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()

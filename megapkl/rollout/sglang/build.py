@@ -29,7 +29,7 @@ def sync_settings(sg: Any, urls: Sequence[str] = ()) -> SyncSettings:
     all answer on loopback, this node's name when some run elsewhere."""
     from urllib.parse import urlsplit
 
-    from megapkl.rollout.serve import is_loopback
+    from megapkl.rollout.sglang.http import is_loopback
 
     remote = any(not is_loopback(urlsplit(u).hostname or "") for u in urls)
     return SyncSettings(mode=sg.weight_sync, bucket_bytes=int(sg.bucket_mb * MiB),

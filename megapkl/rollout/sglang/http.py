@@ -16,6 +16,19 @@ from urllib.parse import urlsplit
 from megapkl.rollout.sglang.protocol import ROUTES, error_message
 
 
+def is_loopback(host: str) -> bool:
+    """Is `host` (a name or an address) this machine's loopback? Weight-update routes unpickle
+    tensors, so they are exposed beyond loopback only with an explicit flag."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServerUnreachable(ConnectionError):
     """Connection refused / reset / timed out: the server may be dead or hung."""
 

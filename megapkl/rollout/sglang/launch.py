@@ -204,7 +204,7 @@ def plan_servers(sg: Any, *, log_dir: Path, make_cmd: Callable[[str, int], list[
     first = sg.base_port + replica * sg.num_engines
     nodes = slurm_nodes()
     if len(nodes) > 1 and not sg.colocate:
-        from megapkl.rollout.serve import is_loopback
+        from megapkl.rollout.sglang.http import is_loopback
 
         if is_loopback(host):
             raise LaunchError(f"rollout.sglang.colocate false spreads the servers over the "

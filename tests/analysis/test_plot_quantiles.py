@@ -9,7 +9,7 @@ def test_quantile_metrics_plot_as_a_band(tmp_path):
     import matplotlib.pyplot as plt
 
     from megapkl.train.metrics_log import read_metrics
-    from megapkl.train.plot import _draw, plot_runs
+    from megapkl.analysis.plot import _draw, plot_runs
 
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for u in range(10):

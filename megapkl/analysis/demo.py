@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megapkl.train.metrics_log import read_metrics
-from megapkl.train.plot import ema, plot_runs
+from megapkl.analysis.plot import ema, plot_runs
 
 COMPARE_METHODS = ("proximal_kl", "grpo", "pg")
 
@@ -46,7 +46,7 @@ def run_demo(config_path: str, overrides: Sequence[str], compare: bool, seeds: i
 
 def run_demo_compare(config_path: str, overrides: Sequence[str], seeds: int) -> list[Path]:
     from megapkl.config import load_config
-    from megapkl.train.compare import compare, headline
+    from megapkl.analysis.compare import compare, headline
 
     base = load_config(config_path, list(overrides)).seed
     t0 = time.time()

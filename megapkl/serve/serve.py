@@ -25,11 +25,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from megapkl.rollout.engine import SamplingParams
+from megapkl.rollout.sglang.http import is_loopback
 from megapkl.rollout.sample import PromptItem, Sample
-from megapkl.rollout.serve_protocol import (Item, _contract, _lp_entry, _Reply, _require, _spans,
+from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _require, _spans,
                                             encode_routed_experts, expand_layers, finish_reason,
                                             parse_generate, parse_sampling)
-from megapkl.rollout.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
+from megapkl.serve.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
                                          _Interrupted)
 
 log = logging.getLogger("megapkl.serve")
@@ -504,17 +505,6 @@ def make_http_server(app: SGLangCompatServer, host: str, port: int) -> Threading
 # ---------------------------------------------------------------- building and the CLI
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
     """(state, tokenizer) from the CLI arguments: a model spec with seeded random weights, or a
     local HF checkpoint with its weights."""
@@ -590,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """`megapkl serve ...` (also `python -m megapkl.rollout.serve ...`)."""
+    """`megapkl serve ...` (also `python -m megapkl.serve.serve ...`)."""
     return cmd_serve(build_parser().parse_args(argv))
 
 

@@ -1,5 +1,5 @@
 """The state behind `megapkl serve`: the embedded engine, pause / continue, weight-update sessions
-and the three weight-update paths, independent of HTTP (see `megapkl.rollout.serve`).
+and the three weight-update paths, independent of HTTP (see `megapkl.serve.serve`).
 
 Concurrency model: generation runs one engine call at a time (`_engine_lock`); a pause flips a
 condition that every decode step checks, so `abort` and `retract` interrupt a running call at the

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from megapkl.train import compare_stats as st
+from megapkl.analysis import compare_stats as st
 from megapkl.train.metrics_log import read_metrics
 
 

@@ -22,9 +22,9 @@ from sglang_fixtures import free_port, http
 from megapkl.rollout.embedded import EmbeddedEngine
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem
-from megapkl.rollout.serve import SGLangCompatServer, make_http_server
-from megapkl.rollout.serve_protocol import decode_routed_experts
-from megapkl.rollout.serve_state import InterruptibleEngine, ServeState
+from megapkl.serve.serve import SGLangCompatServer, make_http_server
+from megapkl.serve.serve_protocol import decode_routed_experts
+from megapkl.serve.serve_state import InterruptibleEngine, ServeState
 
 
 class Served:
@@ -423,7 +423,7 @@ def test_pause_in_place_keeps_request_across_update(dense, dense_model):
 
 
 def test_tensor_route_refused_beyond_loopback_without_flag(dense):
-    from megapkl.rollout.serve import is_loopback
+    from megapkl.rollout.sglang.http import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
@@ -434,7 +434,7 @@ def test_tensor_route_refused_beyond_loopback_without_flag(dense):
 
 
 def test_build_from_hf_checkpoint_and_model_spec(dense_model, tmp_path):
-    from megapkl.rollout.serve import build_parser, build_state
+    from megapkl.serve.serve import build_parser, build_state
 
     dense_model.save_pretrained(tmp_path, safe_serialization=True)
     state, tok = build_state(build_parser().parse_args(["--hf-checkpoint", str(tmp_path)]))
@@ -448,7 +448,7 @@ def test_build_from_hf_checkpoint_and_model_spec(dense_model, tmp_path):
 
 
 def test_expand_layers_zero_fills_dense_layers():
-    from megapkl.rollout.serve_protocol import encode_routed_experts, expand_layers
+    from megapkl.serve.serve_protocol import encode_routed_experts, expand_layers
 
     moe_only = torch.tensor([[[1, 2]], [[3, 0]]], dtype=torch.int32)  # 2 rows, 1 MoE layer
     full = expand_layers(moe_only, [2], 3)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megapkl.train.diagnose import (correction_variance, first_token_correction, parse_horizons,
+from megapkl.analysis.diagnose import (correction_variance, first_token_correction, parse_horizons,
                                     variance_table)
 
 

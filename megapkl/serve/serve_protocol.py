@@ -16,7 +16,7 @@ import torch
 
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import Sample
-from megapkl.rollout.serve_state import RequestError
+from megapkl.serve.serve_state import RequestError
 
 # Request fields this server reads (all are SGLang fields; tests/rollout/test_sglang_protocol.py).
 GENERATE_FIELDS = ("rid", "text", "input_ids", "sampling_params", "return_logprob",

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megapkl.train import compare_stats as st
-from megapkl.train.compare import (Comparison, Criteria, method_overrides, plan_arms,
+from megapkl.analysis import compare_stats as st
+from megapkl.analysis.compare import (Comparison, Criteria, method_overrides, plan_arms,
                                    report_markdown, run_summary, summarize)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def test_slurm_grid_uses_the_local_run_directories(tmp_path):
 
 def test_one_seed_is_refused():
     from megapkl.config import ConfigError
-    from megapkl.train.compare import compare
+    from megapkl.analysis.compare import compare
 
     with pytest.raises(ConfigError, match="at least 2 seeds"):
         compare(DEMO, ["pg"], [0])

@@ -4,7 +4,7 @@ import io
 import pytest
 
 from megapkl.train.metrics_log import MetricsLogger, progress_line, read_metrics
-from megapkl.train.plot import ema, plot_runs
+from megapkl.analysis.plot import ema, plot_runs
 
 
 def write_run(path, slope, steps=30, tb=False):
