@@ -9,10 +9,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-# The CPU wheel of torch lies on local disk on our machines; asking for it by exact version keeps
-# pip from resolving a multi-GB CUDA build. Skip when a torch is already installed.
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  "${PIP[@]}" "torch==${MEGAPKL_TORCH_VERSION:-2.13.0}"
+# torch 2.14.1 is the GPU stack's (sglang 0.5.23 pins it) and runs on CPU; torchvision 0.29.1 is its
+# pair (SGLang's request structs import it). Both lie on local disk on our machines; asking for them by
+# exact version keeps pip from resolving anything else. Skip when that torch is already installed.
+TORCH="${MEGAPKL_TORCH_VERSION:-2.14.1}"
+if [ "$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" != "$TORCH" ]; then
+  "${PIP[@]}" "torch==$TORCH" "torchvision==${MEGAPKL_TORCHVISION_VERSION:-0.29.1}"
 fi
 if [ -n "$extra" ]; then
   "${PIP[@]}" -e ".[$extra]"
