@@ -28,9 +28,10 @@ class UsageError(ValueError):
     """Bad command-line usage that argparse cannot see (exit 2)."""
 
 
-def _load(path: str, overrides: Sequence[str] = ()):
+def _load(path: str, overrides: Sequence[str] = (), *, local: bool = False):
+    """The resolved config; `local`: the files it reads here (model.hf_checkpoint) must exist."""
     from megapkl.config import load_config
-    return load_config(path, list(overrides))
+    return load_config(path, list(overrides), workdir=os.getcwd() if local else None)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -57,7 +58,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     bad = 0
     for path in files:
         try:
-            cfg = _load(path, overrides)
+            cfg = _load(path, overrides, local=True)
         except ConfigError as exc:
             bad += 1
             print(f"megapkl: error: {_one_line(exc)}", file=sys.stderr)
@@ -68,7 +69,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
-    cfg = _load(args.config, args.overrides)
+    cfg = _load(args.config, args.overrides, local=True)
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
 

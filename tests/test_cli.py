@@ -43,14 +43,15 @@ def test_config_show_bad_override_exit_2(capsys):
 def test_config_validate(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: {train_path: x.jsonl}\nrollout: {protocol: uniform_stale}\n")
-    assert main(["config", "validate", GRPO, DEMO]) == 0
+    weights = f"model.hf_checkpoint={tmp_path}"  # a local directory: validate checks it
+    assert main(["config", "validate", GRPO, DEMO, weights]) == 0
     assert capsys.readouterr().out.count("ok: ") == 2
-    assert main(["config", "validate", GRPO, str(bad)]) == EXIT_CONFIG
+    assert main(["config", "validate", GRPO, str(bad), weights]) == EXIT_CONFIG
     captured = capsys.readouterr()
     assert "ok: " in captured.out
     assert "rollout.max_staleness" in captured.err and captured.err.count("\n") == 1
-    assert main(["config", "validate", GRPO, "--set", "objective.name=tetpo"]) == 0
-    assert main(["config", "validate", GRPO, "--set", "objective.name=tetpo",
+    assert main(["config", "validate", GRPO, weights, "--set", "objective.name=tetpo"]) == 0
+    assert main(["config", "validate", GRPO, weights, "--set", "objective.name=tetpo",
                  "--set", "objective.aggregation=token_mean"]) == EXIT_CONFIG
     assert "objective.aggregation" in capsys.readouterr().err
 
@@ -118,10 +119,11 @@ def test_model_layout_rules_from_the_model_yaml(capsys):
     assert "num_attention_heads = 6" in _one_error_line(capsys.readouterr().err)
 
 
-def test_config_validate_takes_dotted_overrides_positionally(capsys):
-    assert main(["config", "validate", GRPO, "objective.name=tetpo"]) == 0
+def test_config_validate_takes_dotted_overrides_positionally(capsys, tmp_path):
+    weights = f"model.hf_checkpoint={tmp_path}"
+    assert main(["config", "validate", GRPO, weights, "objective.name=tetpo"]) == 0
     assert "ok: " in capsys.readouterr().out
-    assert main(["config", "validate", GRPO, DEMO, "objective.name=tetpo",
+    assert main(["config", "validate", GRPO, DEMO, weights, "objective.name=tetpo",
                  "objective.aggregation=token_mean"]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert err.count("megapkl: error:") == 2 and "objective.aggregation" in err

@@ -77,15 +77,16 @@ def _config(source: Path, overrides: Sequence[str], prompts: int, responses: int
             max_response_len: Optional[int]):
     """The run's (or a config file's) config, reshaped to one process and one prompt batch (one
     micro-batch per prompt's responses; an override `parallel.micro_batch_size=...` wins)."""
+    from megapkl.analysis.eval_cli import SINGLE_PROCESS
     from megapkl.config import load_config
 
     path = source / "config.yaml" if source.is_dir() else source
     if not path.exists():
         raise FileNotFoundError(f"{source}: neither a run directory with config.yaml nor a config file")
-    shape = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1", "parallel.expert=1",
-             "parallel.data=1", "slurm.nodes=null", f"rollout.prompts_per_batch={prompts}",
+    shape = [*SINGLE_PROCESS, f"rollout.prompts_per_batch={prompts}",
              f"rollout.responses_per_prompt={responses}", f"parallel.micro_batch_size={responses}",
-             "rollout.minibatches_per_batch=1", "checkpoint.resume=false", "logging.tensorboard=false"]
+             "parallel.max_tokens_per_micro_batch=null", "rollout.minibatches_per_batch=1",
+             "logging.tensorboard=false"]
     if max_response_len is not None:
         shape.append(f"rollout.max_response_len={max_response_len}")
     return load_config(path, [*shape, *overrides])

@@ -5,6 +5,11 @@ latest of the run, `--step N`, or the checkpoint directory given), rebuilds the 
 process (the distributed checkpoint reshards to TP = PP = 1), streams its weights to a rollout
 engine through `update_weights` exactly as training does, and evaluates. Results go to
 RUN_DIR/eval/step_XXXXXX.json and .samples.jsonl (or --out).
+
+Any run directory is evaluated in this one process, whatever its job shape: the parallel layout
+and the Slurm allocation are reset to one process below. The run's config.yaml is resolved, so
+each benchmark spells out its own `greedy` and `n_samples`; `eval.greedy` / `eval.n_samples` given
+on the command line therefore apply to every benchmark evaluated (a greedy one keeps 1 sample).
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 SINGLE_PROCESS = ("parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
-                  "parallel.expert=1", "parallel.data=1", "checkpoint.resume=false")
+                  "parallel.expert=1", "parallel.data=1", "parallel.sequence_parallel=false",
+                  "parallel.virtual_pipeline=null", "slurm.nodes=null", "slurm.gpus_per_node=null",
+                  "checkpoint.resume=false")
+SECTION_KEYS = ("eval.greedy", "eval.n_samples")  # applied to every benchmark evaluated
 
 
 def find_run(path: Path, step: Optional[int]) -> tuple[Path, Optional[Path]]:
@@ -72,6 +80,26 @@ def policy_weights(cfg, ckpt: Path):
     return spec, export_hf_weights(chunks, spec=spec, groups=groups)
 
 
+def section_overrides(overrides: Sequence[str]) -> dict:
+    """{'greedy': ..., 'n_samples': ...} from eval.greedy / eval.n_samples overrides."""
+    from megapkl.config import parse_override
+
+    pairs = [parse_override(o) for o in overrides]
+    return {key.split(".")[1]: value for key, value in pairs if key in SECTION_KEYS}
+
+
+def apply_section_overrides(benches, given: dict, n_default: int) -> None:
+    """Every benchmark evaluated takes the section's greedy / n_samples given on the command
+    line; greedy decoding has one sample, a benchmark turned to sampling takes `n_default`."""
+    for b in benches:
+        was_greedy = b.greedy
+        b.greedy = given.get("greedy", b.greedy)
+        if b.greedy:
+            b.n_samples = 1
+        elif "n_samples" in given or was_greedy:
+            b.n_samples = given.get("n_samples", n_default)
+
+
 def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[str] = (),
              step: Optional[int] = None, out: Optional[str] = None) -> dict:
     import json
@@ -88,6 +116,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     version = json.loads((ckpt / "complete").read_text())["step"]
     tokenizer = eval_tokenizer(cfg)
     benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
+    apply_section_overrides(benches, section_overrides(overrides), cfg.eval.n_samples)
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg, spec, tokenizer)
     scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from megapkl.config import yamlio
-from megapkl.config.run import RunConfig
+from megapkl.config.run import RunConfig, check_local_files
 from megapkl.config.typed import ConfigError
 
 OVERRIDE_SOURCE = "<override>"
@@ -46,11 +46,14 @@ class _Layer:
 
 # ---- public API
 
-def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read, layer, override, validate and resolve the run config at `path`."""
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), *,
+                workdir: str | os.PathLike | None = None) -> RunConfig:
+    """Read, layer, override, validate and resolve the run config at `path`. With `workdir` (the
+    directory the run starts in), the files it reads from that machine must exist as well
+    (`config validate`, `plan`, `submit` and `train` ask; `config show` does not)."""
     top = _display(Path(path))
     merged, prov = merged_mapping(path, overrides)
-    return _build(merged, prov, top)
+    return _build(merged, prov, top, workdir)
 
 
 def loads_config(text: str, overrides: Iterable[str] = (), *, source: str = "<string>",
@@ -223,9 +226,15 @@ def _record(value: Any, path: str, prov: dict[str, Origin], origin: Callable[[st
 
 # ---- validation with errors attributed to the file that set the key
 
-def _build(merged: dict[str, Any], prov: dict[str, Origin], top: str) -> RunConfig:
+def _build(merged: dict[str, Any], prov: dict[str, Origin], top: str,
+           workdir: str | os.PathLike | None = None) -> RunConfig:
     try:
-        return RunConfig.from_dict(merged, source=top)
+        cfg = RunConfig.from_dict(merged, source=top)
+        if workdir is not None:
+            def err(msg: str, key: str, *related: str):
+                raise ConfigError(msg, key=key, source=top, related=related)
+            check_local_files(cfg, workdir, err)
+        return cfg
     except ConfigError as exc:
         raise _attribute(exc, prov, top) from None
 

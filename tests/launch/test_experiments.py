@@ -48,7 +48,8 @@ def test_experiment_is_valid_and_fits_8_gpu_nodes(path: Path) -> None:
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_experiments_dry_run_on_gpu_profiles(profile: str, tmp_path: Path) -> None:
     for path in RUNS:
-        sub = submit(path, profile, [f"run_dir={tmp_path}/{path.stem}"], entry=TOY, dry_run=True)
+        sub = submit(path, profile, [f"run_dir={tmp_path}/{path.stem}",
+                                     f"model.hf_checkpoint={tmp_path}"], entry=TOY, dry_run=True)
         cfg = load_config(path)
         assert f"#SBATCH --nodes={cfg.slurm.nodes}" in sub.script
         assert "#SBATCH --gpus-per-node=8" in sub.script and "#SBATCH --ntasks-per-node=8" in sub.script

@@ -51,20 +51,21 @@ def test_parameter_and_optimizer_bytes_match_megatron(dist_run, name, tp, pp, ep
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
-def test_every_experiment_fits_its_profile(path):
+def test_every_experiment_fits_its_profile(path, tmp_path):
     cfg = load_config(path)
-    p = plan_config(str(path), cfg.slurm.profile or "h100")
+    p = plan_config(str(path), cfg.slurm.profile or "h100", [f"model.hf_checkpoint={tmp_path}"])
     assert p.gpu_gib is not None and p.fits, p.table()
 
 
 def test_plan_cli_and_submit_refuses_a_run_that_cannot_fit(capsys, tmp_path):
     cfg = "configs/experiments/pkl_periodic/qwen3_32b_pkl.yaml"
-    assert main(["plan", cfg, "--profile", "h100"]) == 0
+    weights = f"model.hf_checkpoint={tmp_path}"
+    assert main(["plan", cfg, weights, "--profile", "h100"]) == 0
     out = capsys.readouterr().out
     assert "-> fits" in out and "model FLOPs per update" in out
     # no tensor/pipeline parallelism: 32B on one GPU's worth of layout cannot fit 80 GB
     big = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
-           "parallel.sequence_parallel=false", f"run_dir={tmp_path / 'r'}"]
+           "parallel.sequence_parallel=false", f"run_dir={tmp_path / 'r'}", weights]
     assert main(["plan", cfg, *big, "--profile", "h100"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["submit", cfg, *big, "--profile", "h100", "--dry-run"]) == 1
