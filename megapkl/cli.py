@@ -2,6 +2,7 @@
 
     megapkl config show FILE [KEY=VALUE ...]     print the fully resolved config (YAML)
     megapkl config validate FILE [FILE ...]      check configs, one line per file
+    megapkl config reference [--out FILE]        every config key (docs/config.md)
     megapkl train CONFIG [KEY=VALUE ...]         train (validates the config first)
     megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
     megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
@@ -65,6 +66,19 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
             continue
         print(f"ok: {path} ({cfg.objective.name}, {cfg.rollout.protocol}, {cfg.model.name})")
     return EXIT_CONFIG if bad else 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from megapkl.config.reference import render
+
+    text = render()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -140,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(also accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    config = sub.add_parser("config", help="show or validate run configs")
+    config = sub.add_parser("config", help="show, validate or list the keys of run configs")
     csub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = csub.add_parser("show", help="print the fully resolved config as YAML")
     show.add_argument("file", help="run config YAML")
@@ -152,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override applied to every file (repeatable)")
     validate.set_defaults(func=cmd_config_validate)
+    reference = csub.add_parser("reference", help="every section and key with its type, default, "
+                                "range and meaning (Markdown; docs/config.md)")
+    reference.add_argument("--out", help="write to this file instead of stdout")
+    reference.set_defaults(func=cmd_config_reference)
 
     train = sub.add_parser("train", help="train from a run config")
     train.add_argument("config", help="run config YAML")

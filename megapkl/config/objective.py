@@ -1,4 +1,4 @@
-"""The `objective:` section: which policy objective, and its hyper-parameters (SPEC section 8).
+"""The `objective:` section: which policy objective, and its hyper-parameters (docs/objectives.md).
 
 Fields left at `None` are filled with the selected objective's paper default by `resolve()`, so a
 resolved config always shows concrete numbers. `ObjectiveConfig` is re-exported as
@@ -24,11 +24,11 @@ DEFAULT_EPS = {  # (eps_clip_low, eps_clip_high)
     "grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
     "gepo": (0.2, 0.2), "dppo_tv": (0.2, 0.2), "clip_cov": (0.2, 0.2),
 }
-# Objectives whose coefficient contains the token weight w_t, so SIS can replace it (SPEC 4.3).
+# Objectives whose coefficient contains the token weight w_t, so SIS can replace it.
 SIS_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo")
 # Objectives whose weight is one per sequence; their surrogate value counts once per response.
 SEQUENCE_OBJECTIVES = ("gspo", "tetpo", "gepo")
-# Objectives that use the future-KL credit C_t (SPEC 4.1).
+# Objectives that use the future-KL credit C_t (PKL eq. 5).
 CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
 
 
@@ -36,34 +36,42 @@ CREDIT_OBJECTIVES = ("proximal_kl", "seq_is", "is_free")
 class SISConfig:
     """Selective importance sampling (SIS paper Alg. 1): top-K envelope rejection test."""
 
+    # SIS on the objective's token weight (pg, grpo, dapo, cispo, proximal_kl, gspo)
     enabled: bool = False
-    top_k: int = field(default=10, metadata=rng(1))
+    top_k: int = field(default=10, metadata=rng(1))  # K behavior log-probs per token in the test
 
 
 @dataclass
 class ObjectiveConfig:
-    """Policy objective and hyper-parameters; keys and defaults as SPEC section 8."""
+    """Policy objective and its hyper-parameters (docs/objectives.md: each objective's formula,
+    defaults and paper equation). Unset fields take the selected objective's paper default."""
 
-    name: ObjectiveName = "proximal_kl"
+    name: ObjectiveName = "proximal_kl"  # docs/objectives.md
+    # how per-token terms are averaged; unset: the objective's (token_mean; gspo, gepo:
+    # seq_mean_token_mean; tetpo: seq_mean)
     aggregation: Optional[Aggregation] = None
-    beta: float = field(default=0.30, metadata=rng(0.0))
-    horizon: Union[int, Literal["full"]] = "full"
+    beta: float = field(default=0.30, metadata=rng(0.0))  # future-KL credit scale (PKL eq. 5)
+    horizon: Union[int, Literal["full"]] = "full"  # H: tokens summed into the credit
+    # eps_F; null: none
     cost_clip: Optional[float] = field(default=0.05, metadata=rng(0.0, lo_open=True))
-    tail: Literal["none", "linear"] = "none"
+    tail: Literal["none", "linear"] = "none"  # linear: weights after H fall to 0 (PKL C.2)
+    # PPO clip widths; unset: the objective's (0.2/0.2; dapo 0.2/0.28; gspo 3e-4/4e-4)
     eps_clip_low: Optional[float] = field(default=None, metadata=rng(0.0, 1.0))
-    eps_clip_high: Optional[float] = field(default=None, metadata=rng(0.0))
-    is_clip: tuple[float, float] = (0.0, 5.0)
+    eps_clip_high: Optional[float] = field(default=None, metadata=rng(0.0))  # see eps_clip_low
+    is_clip: tuple[float, float] = (0.0, 5.0)  # cispo: [c_lo, c_hi] of the clipped weight
+    # tetpo: target ESS / G
     kappa: float = field(default=0.85, metadata=rng(0.0, 1.0, lo_open=True))
-    bisection_steps: int = field(default=24, metadata=rng(1, 64))
-    m2_threshold: float = field(default=0.04, metadata=rng(0.0, lo_open=True))
+    bisection_steps: int = field(default=24, metadata=rng(1, 64))  # tetpo: alpha* search steps
+    m2_threshold: float = field(default=0.04, metadata=rng(0.0, lo_open=True))  # m2po: tau
     # assumption: the SIS paper states neither threshold. delta 0.15 is the TV threshold of DPPO's
     # public example script; omega 1.0 is the lower covariance bound of Clip-Cov's public recipe.
-    tv_delta: float = field(default=0.15, metadata=rng(0.0, 1.0, lo_open=True))
-    cov_omega: float = field(default=1.0)
+    tv_delta: float = field(default=0.15, metadata=rng(0.0, 1.0, lo_open=True))  # dppo_tv: delta
+    cov_omega: float = field(default=1.0)  # clip_cov: omega
     sis: SISConfig = field(default_factory=SISConfig)
-    kl_init_coef: float = field(default=0.0, metadata=rng(0.0))
-    entropy_coef: float = field(default=0.0)
-    seed: int = field(default=0, metadata=rng(0))
+    kl_init_coef: float = field(default=0.0, metadata=rng(0.0))  # KL-to-initial-model penalty
+    entropy_coef: float = field(default=0.0)  # entropy bonus
+    seed: int = field(default=0, metadata=rng(0))  # the loss's own random draws (SIS)
+    # Z of token_sum_norm
     norm_constant: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
 
     def check(self, err) -> None:
@@ -76,7 +84,7 @@ class ObjectiveConfig:
         if not 0.0 <= lo <= hi:
             err(f"must satisfy 0 <= c_lo <= c_hi, got {list(self.is_clip)}", "is_clip")
         if self.sis.enabled and self.name not in SIS_OBJECTIVES:
-            err(f"SIS replaces the token weight w_t of {', '.join(SIS_OBJECTIVES)} (SPEC 4.3); "
+            err(f"SIS replaces the token weight w_t of {', '.join(SIS_OBJECTIVES)} "
                 f"it is not defined for objective '{self.name}'", "sis.enabled")
         agg = self.aggregation or DEFAULT_AGGREGATION.get(self.name, "token_mean")
         if agg == "token_sum_norm" and self.norm_constant is None:

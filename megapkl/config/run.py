@@ -27,13 +27,14 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass
 class RunConfig:
-    """A whole run. Sections follow the data flow of ARCHITECTURE.md: model and its parallel
-    layout, the objective and what feeds it (advantage, reference, rollout), the optimizer, the data
-    and reward, then evaluation, logging, checkpoints and the Slurm job."""
+    """A whole run. Sections follow the data flow of a run: the model and its parallel layout,
+    the objective and what feeds it (advantage, reference, rollout), the optimizer, the data and
+    reward, then evaluation, logging, checkpoints and the Slurm job."""
 
-    name: str = "megapkl"
-    description: str = ""
+    name: str = "megapkl"  # the run's name: its directory, job name and plot label
+    description: str = ""  # free text, kept in the resolved config.yaml
     run_dir: Optional[str] = None  # unset: runs/<name>
+    # train.seed, data.seed when unset; the engines' sampling
     seed: int = field(default=0, metadata=rng(0))
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

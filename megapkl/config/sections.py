@@ -3,7 +3,7 @@
 Each section is a dataclass read by `typed.build`: unknown keys, wrong types and out-of-range values
 are errors naming the dotted key. `check(err)` holds the rules that involve only the section's own
 fields; rules spanning sections live in `megapkl.config.run`. Defaults are the paper settings of
-SPEC section 10 (Proximal KL paper, Appendix B: periodic refresh) unless a comment says otherwise.
+the Proximal KL paper's (Appendix B: periodic refresh) unless a comment says otherwise.
 """
 from __future__ import annotations
 
@@ -51,16 +51,21 @@ class ModelConfig:
     reason about (layers for pipeline splits, experts for expert parallelism) are typed fields.
     """
 
+    # configs/models/<name>.yaml (architecture); qwen3-{1.7b,4b,8b,32b,30b-a3b}, tiny-qwen3(-moe)
     name: str = "qwen3-1.7b"
-    hf_checkpoint: Optional[str] = None  # HF directory or hub id to import weights from
-    tokenizer: Optional[str] = None  # defaults to hf_checkpoint
+    # Hugging Face checkpoint directory to start from (null: random init). Never downloaded: a Hub
+    # id is refused by config validate, plan, submit and train; `hf download` it first.
+    hf_checkpoint: Optional[str] = None
+    tokenizer: Optional[str] = None  # tokenizer directory; unset: hf_checkpoint's
     # PKL B.2: BF16 optimization (bf16 weights, fp32 main weights/grads in the optimizer, fp32
     # log-probs). The default for GPU runs; the CPU demo and tests use fp32 (exact comparisons,
     # and CPU bf16 matmuls are slower than fp32 ones). Needs Ampere+ on GPU (checked).
     dtype: Literal["bf16", "fp32"] = "bf16"
-    num_layers: Optional[int] = field(default=None, metadata=rng(1))
-    hidden_size: Optional[int] = field(default=None, metadata=rng(1))
+    num_layers: Optional[int] = field(default=None, metadata=rng(1))  # overrides the model YAML
+    hidden_size: Optional[int] = field(default=None, metadata=rng(1))  # overrides the model YAML
+    # MoE experts; overrides the model YAML
     num_experts: Optional[int] = field(default=None, metadata=rng(1))
+    # any other key of the model YAML, overridden
     arch: dict[str, Any] = field(default_factory=dict)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     routing_replay: bool = False  # MoE: replay the rollout's routed experts in training (SIS R3)
@@ -83,27 +88,29 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Megatron-core parallel layout of the trainer (SPEC section 7: the loss is partition invariant,
-    so these change speed and memory, never the result).
+    """Megatron-core parallel layout of the trainer. The loss is partition invariant
+    (docs/parallelism.md): these change speed and memory, never the result.
 
     `data` may be 'auto': the data-parallel size is then the trainer world size divided by
     tensor x pipeline x context, resolved as soon as the world size is known (slurm nodes x GPUs).
     """
 
-    tensor: int = field(default=1, metadata=rng(1))
-    pipeline: int = field(default=1, metadata=rng(1))
-    context: int = field(default=1, metadata=rng(1))
+    tensor: int = field(default=1, metadata=rng(1))  # tensor parallel size (divides heads)
+    pipeline: int = field(default=1, metadata=rng(1))  # pipeline stages (divides the layers)
+    context: int = field(default=1, metadata=rng(1))  # context parallel size (splits sequences)
+    # expert parallel size (MoE; divides data x context)
     expert: int = field(default=1, metadata=rng(1))
+    # data-parallel size; data x tensor x pipeline x context = the trainer's world size
     data: Union[int, Literal["auto"]] = field(default="auto", metadata=rng(1))
-    sequence_parallel: bool = False
-    virtual_pipeline: Optional[int] = field(default=None, metadata=rng(2))
-    micro_batch_size: int = field(default=1, metadata=rng(1))
+    sequence_parallel: bool = False  # split activations over the tensor-parallel group
+    virtual_pipeline: Optional[int] = field(default=None, metadata=rng(2))  # interleaved stages
+    micro_batch_size: int = field(default=1, metadata=rng(1))  # responses per micro-batch per rank
     # Token-balanced micro-batches: when set, responses are packed by this budget of padded
     # tokens per micro-batch (first-fit decreasing; prompt + response, rounded to the CP/SP
     # multiple; one-row layout: rows x the longest) instead of micro_batch_size responses, and
     # every DP rank runs the same number of micro-batches.
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata=rng(1))
-    distributed_optimizer: bool = True
+    distributed_optimizer: bool = True  # shard the optimizer state over data-parallel ranks
     # How responses share micro-batch rows: "none" = one right-padded row per response (BSHD);
     # "thd" = all responses of a micro-batch packed into one row with cu_seqlens (no padding
     # between responses beyond 2*cp multiples; megapkl.parallel.batching.pack_thd).
@@ -143,9 +150,11 @@ class ParallelConfig:
 
 @dataclass
 class AdvantageConfig:
-    """Per-response advantages from rewards (SPEC section 3)."""
+    """Per-response advantages from rewards (docs/objectives.md)."""
 
-    mode: Literal["group_mean", "group_std", "raw"] = "group_mean"  # PKL B.2 periodic refresh
+    # group_mean: reward minus its prompt group's mean (PKL B.2 periodic refresh); group_std: also
+    # divided by the group's std; raw: the reward itself
+    mode: Literal["group_mean", "group_std", "raw"] = "group_mean"
     perturb_baseline: bool = False  # PKL C.1: add 1{max R > min R} after normalization
     filter_constant_groups: bool = False  # DAPO dynamic sampling: drop all-equal groups, refill
     std_eps: float = field(default=1e-5, metadata=rng(0.0, lo_open=True))  # PKL eq. A.2
@@ -156,7 +165,7 @@ class AdvantageConfig:
 
 @dataclass
 class ReferenceConfig:
-    """The frozen proximal reference pi_k of SPEC section 1 (logp_prox).
+    """The frozen proximal reference pi_k (logp_prox of docs/objectives.md).
 
     - snapshot: a copy of the learner taken every `refresh_every` (L) optimizer updates
       (PKL Table 4: L = 16 for Proximal KL, 32 for GRPO's proximal reference).
@@ -169,9 +178,9 @@ class ReferenceConfig:
     `objective.kl_init_coef > 0`.
     """
 
-    mode: Literal["snapshot", "per_batch", "behavior"] = "snapshot"
-    refresh_every: Optional[int] = field(default=16, metadata=rng(1))
-    kl_init: Optional[bool] = None
+    mode: Literal["snapshot", "per_batch", "behavior"] = "snapshot"  # see above
+    refresh_every: Optional[int] = field(default=16, metadata=rng(1))  # L, snapshot mode only
+    kl_init: Optional[bool] = None  # keep the initial model; unset: objective.kl_init_coef > 0
 
     def check(self, err) -> None:
         if self.mode == "snapshot" and self.refresh_every is None:
@@ -185,42 +194,52 @@ class SGLangConfig:
 
     tp: int = field(default=1, metadata=rng(1))  # tensor parallel size of one engine
     ep: int = field(default=1, metadata=rng(1))  # expert parallel size inside an engine (MoE)
-    num_engines: int = field(default=1, metadata=rng(1))
+    num_engines: int = field(default=1, metadata=rng(1))  # servers megapkl launches (without urls)
     # Engines share the trainer's GPUs; false gives them num_engines x tp GPUs of their own.
     colocate: bool = True
+    # sglang-router
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
+    # GPU memory fraction SGLang reserves for weights and KV cache (its --mem-fraction-static)
     mem_fraction_static: float = field(default=0.8, metadata=rng(0.0, 1.0, lo_open=True))
-    base_port: int = field(default=30000, metadata=rng(1024, 65535))
+    base_port: int = field(default=30000, metadata=rng(1024, 65535))  # first port tried for servers
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the server launcher
     # Servers someone else started: their base URLs (and optionally their router); nothing is
     # launched then. Empty: megapkl launches num_engines servers (+ sglang-router if use_router).
     urls: list[str] = field(default_factory=list)
-    router_url: Optional[str] = None
-    use_router: bool = True
+    router_url: Optional[str] = None  # with urls: their router
+    use_router: bool = True  # launch sglang-router in front of the launched servers
     host: str = "127.0.0.1"  # address launched servers bind to (never beyond loopback unless set)
     # Testing / CPU option: the server command instead of `python -m sglang.launch_server ...`,
     # e.g. [megapkl, serve, --model, "{model_path}", --port, "{port}"] (placeholders: model_path,
     # host, port, tp, ep, python). router_command replaces `python -m sglang_router.launch_router`.
     server_command: list[str] = field(default_factory=list)
-    router_command: list[str] = field(default_factory=list)
+    router_command: list[str] = field(default_factory=list)  # see server_command
+    # servers' --context-length
     context_length: Optional[int] = field(default=None, metadata=rng(1))
     # Weight sync trainer -> servers: tensor (same host), distributed (torch.distributed
     # broadcast: NCCL on GPUs, gloo on CPU), disk (safetensors export in the run directory).
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    # weights per sync message
     bucket_mb: float = field(default=512.0, metadata=rng(0.0, lo_open=True))
+    # what running requests do during a weight sync (SGLang's pause_generation mode)
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
-    sync_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))
+    sync_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))  # one weight sync
     # Requests and fault tolerance.
+    # requests in flight at once (client threads)
     max_concurrency: int = field(default=256, metadata=rng(1))
+    # one /generate
     request_timeout_s: float = field(default=3600.0, metadata=rng(0.0, lo_open=True))
-    max_retries: int = field(default=3, metadata=rng(0))
-    health_first_wait_s: float = field(default=0.0, metadata=rng(0.0))
+    max_retries: int = field(default=3, metadata=rng(0))  # of a failed prompt group
+    health_first_wait_s: float = field(default=0.0, metadata=rng(0.0))  # before the first probe
+    # between probes
     health_interval_s: float = field(default=10.0, metadata=rng(0.0, lo_open=True))
-    health_timeout_s: float = field(default=30.0, metadata=rng(0.0, lo_open=True))
-    health_max_failures: int = field(default=2, metadata=rng(1))
+    health_timeout_s: float = field(default=30.0, metadata=rng(0.0, lo_open=True))  # one probe
+    health_max_failures: int = field(default=2, metadata=rng(1))  # failed probes: a server is down
+    # until healthy
     startup_timeout_s: float = field(default=900.0, metadata=rng(0.0, lo_open=True))
+    # a batch with no healthy server for this long stops the run (checkpointed, resumable)
     no_engine_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))
-    max_restarts: int = field(default=3, metadata=rng(0))
+    max_restarts: int = field(default=3, metadata=rng(0))  # of a launched server that died
 
     def check(self, err) -> None:
         if self.tp % self.ep:
@@ -248,7 +267,7 @@ DEFAULT_REFRESH_EVERY = {"periodic_refresh": 64, "on_policy": 1, "controlled_sta
 
 @dataclass
 class RolloutConfig:
-    """How responses are generated, and how stale they may be (SPEC section 10).
+    """How responses are generated, and how stale they may be (the training protocols).
 
     - on_policy: fresh rollouts from the current weights (zero staleness).
     - periodic_refresh: engine weights synced every `refresh_every` (N) updates (PKL B.1: 64).
@@ -259,18 +278,22 @@ class RolloutConfig:
     `minibatches_per_batch` optimizer updates (PKL C.2: 4 for controlled staleness).
     """
 
-    engine: Literal["embedded", "sglang"] = "sglang"
-    protocol: Protocol = "periodic_refresh"
+    engine: Literal["embedded", "sglang"] = "sglang"  # docs/engines.md
+    protocol: Protocol = "periodic_refresh"  # see above
+    # N: updates between weight pushes to the engines; unset: 64 (periodic_refresh), 1 (on_policy,
+    # controlled_staleness), none (uniform_stale)
     refresh_every: Optional[int] = field(default=None, metadata=rng(1))
+    # k: the most versions a rollout may lag (controlled_staleness, uniform_stale); on_policy: 0
     max_staleness: Optional[int] = field(default=None, metadata=rng(0))
-    snapshot_pool: int = field(default=256, metadata=rng(1))
-    minibatches_per_batch: int = field(default=1, metadata=rng(1))
+    snapshot_pool: int = field(default=256, metadata=rng(1))  # policy versions kept at most
+    minibatches_per_batch: int = field(default=1, metadata=rng(1))  # optimizer updates per batch
     prompts_per_batch: int = field(default=32, metadata=rng(1))  # PKL Table 4: 32 x 8
     responses_per_prompt: int = field(default=8, metadata=rng(1))  # G
-    temperature: float = field(default=1.0, metadata=rng(0.0, lo_open=True))
-    top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))
+    temperature: float = field(default=1.0, metadata=rng(0.0, lo_open=True))  # sampling
+    top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))  # nucleus sampling
     top_k: int = field(default=-1, metadata=rng(-1))  # -1 = off
-    max_prompt_len: int = field(default=1024, metadata=rng(1))  # PKL Table 4
+    # PKL Table 4; longer prompts are left out of the training data
+    max_prompt_len: int = field(default=1024, metadata=rng(1))
     max_response_len: int = field(default=16384, metadata=rng(1))  # PKL Table 4
     fp8: bool = False  # block-FP8 weight rollouts (PKL B.2); embedded: dequantized FP8 weights
     kv_cache_dtype: Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2"] = "auto"  # auto: engine dtype

@@ -1,7 +1,7 @@
 """Run-config sections for optimization, data, rewards, evaluation, logging, checkpoints and Slurm.
 
 Same conventions as `sections.py`: strict dataclasses, own-field rules in `check(err)`, cross-section
-rules in `megapkl.config.run`. Defaults cite SPEC section 10 / the paper appendix they come from.
+rules in `megapkl.config.run`. Defaults cite the paper appendix they come from.
 """
 from __future__ import annotations
 
@@ -20,16 +20,16 @@ _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}
 
 @dataclass
 class TrainConfig:
-    """Optimizer and schedule; `steps` counts optimizer updates (SPEC 10: Adam, clip 1)."""
+    """Optimizer and schedule; `steps` counts optimizer updates (Adam, gradient clip 1)."""
 
     steps: int = field(default=2000, metadata=rng(1))  # PKL C.2: 1.7B evaluated at 2,000 updates
     lr: float = field(default=1e-6, metadata=rng(0.0, lo_open=True))  # PKL Table 4
     lr_schedule: Literal["constant", "cosine"] = "constant"  # PKL C.2: constant
-    warmup_steps: int = field(default=0, metadata=rng(0))
+    warmup_steps: int = field(default=0, metadata=rng(0))  # linear lr warmup, in updates
     min_lr: float = field(default=0.0, metadata=rng(0.0))  # cosine floor
     adam_beta1: float = field(default=0.9, metadata=rng(0.0, 1.0, hi_open=True))  # PKL C.2
-    adam_beta2: float = field(default=0.999, metadata=rng(0.0, 1.0, hi_open=True))
-    adam_eps: float = field(default=1e-8, metadata=rng(0.0, lo_open=True))
+    adam_beta2: float = field(default=0.999, metadata=rng(0.0, 1.0, hi_open=True))  # PKL C.2
+    adam_eps: float = field(default=1e-8, metadata=rng(0.0, lo_open=True))  # PKL C.2
     weight_decay: float = field(default=0.0, metadata=rng(0.0))  # PKL C.2: none
     grad_clip: Optional[float] = field(default=1.0, metadata=rng(0.0, lo_open=True))  # null: off
     # A non-finite loss or gradient skips the update; this many in a row stops the run.
@@ -48,12 +48,14 @@ class TrainConfig:
 class DataConfig:
     """Training prompts: a JSONL/Parquet file, or a named synthetic task (CPU demo, tests)."""
 
-    train_path: Optional[str] = None
-    synthetic: Optional[str] = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    prompt_template: str = "qwen_math"  # how a raw problem becomes the model prompt
-    shuffle: bool = True
+    train_path: Optional[str] = None  # prompt/answer JSONL or Parquet (`megapkl data prepare`)
+    synthetic: Optional[str] = None  # a synthetic task instead: next_mod10, add_mod10
+    prompt_key: str = "prompt"  # field of the problem text (dotted for nested fields)
+    answer_key: str = "answer"  # field of the gold answer
+    # how a raw problem becomes the model prompt: qwen_math (Qwen chat, "put your final answer
+    # within \boxed{}"), raw (the problem as is)
+    prompt_template: str = "qwen_math"
+    shuffle: bool = True  # a new order each pass over the data
     seed: Optional[int] = field(default=None, metadata=rng(0))  # unset: the run's seed
     max_prompts: Optional[int] = field(default=None, metadata=rng(1))  # use only the first n
 
@@ -75,9 +77,9 @@ class RewardConfig:
     `type` unset follows the data: 'synthetic' for a synthetic task, else 'math' (boxed answer).
     """
 
-    type: Optional[Literal["math", "synthetic"]] = None
-    correct: float = 1.0
-    incorrect: float = -1.0
+    type: Optional[Literal["math", "synthetic"]] = None  # see above
+    correct: float = 1.0  # reward of a correct response
+    incorrect: float = -1.0  # reward of any other response
 
     def check(self, err) -> None:
         for name in ("correct", "incorrect"):  # NaN/Inf would pass the comparison below
@@ -92,8 +94,9 @@ class RewardConfig:
 class BenchmarkConfig:
     """One evaluation set; unset fields take the `eval:` section's values."""
 
-    name: str = ""
-    greedy: Optional[bool] = None
+    name: str = ""  # a prepared eval set (`megapkl data list`) or a synthetic task
+    greedy: Optional[bool] = None  # unset: eval.greedy
+    # unset: eval.n_samples (greedy: 1)
     n_samples: Optional[int] = field(default=None, metadata=rng(1))
     path: Optional[str] = None  # default: <eval.data_dir>/<name>.jsonl
 
@@ -120,14 +123,15 @@ class EvalConfig:
     or a mapping {name, greedy, n_samples, path}; the resolved config shows the full mappings.
     Greedy benchmarks report pass@1, sampled ones mean@n and pass@k for k = 1, 2, 4, ..., n."""
 
-    every: int = field(default=0, metadata=rng(0))
-    at_start: bool = False
+    every: int = field(default=0, metadata=rng(0))  # updates between evaluations; 0: off
+    at_start: bool = False  # also evaluate the initial policy
+    # names or {name, greedy, n_samples, path}; default: the PKL protocol (PKL 6.1 / C.1)
     benchmarks: list[Union[BenchmarkConfig, str]] = field(default_factory=_paper_benchmarks)
     n_samples: int = field(default=16, metadata=rng(1))  # k for mean@k / pass@k
-    greedy: bool = False
-    temperature: float = field(default=1.0, metadata=rng(0.0, lo_open=True))
-    top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))
-    top_k: int = field(default=-1, metadata=rng(-1))
+    greedy: bool = False  # for benchmarks that do not say
+    temperature: float = field(default=1.0, metadata=rng(0.0, lo_open=True))  # sampled benchmarks
+    top_p: float = field(default=1.0, metadata=rng(0.0, 1.0, lo_open=True))  # sampled benchmarks
+    top_k: int = field(default=-1, metadata=rng(-1))  # sampled benchmarks; -1 = off
     max_response_len: Optional[int] = field(default=None, metadata=rng(1))  # unset: rollout's
     data_dir: str = "data/eval"  # <name>.jsonl from `megapkl data prepare`
     verify_timeout_s: int = field(default=5, metadata=rng(1))  # math-verify limit per sample
@@ -155,20 +159,23 @@ class WandbConfig:
     """Weights & Biases logging beside TensorBoard (`pip install -e .[wandb]`). `offline` writes the
     run under <run_dir>/wandb for a later `wandb sync`; `disabled` (default) never imports wandb."""
 
-    mode: Literal["online", "offline", "disabled"] = "disabled"
-    project: str = "megapkl"
-    entity: Optional[str] = None
+    mode: Literal["online", "offline", "disabled"] = "disabled"  # see above
+    project: str = "megapkl"  # W&B project
+    entity: Optional[str] = None  # W&B team or user; unset: your default
 
 
 @dataclass
 class LoggingConfig:
-    """Metrics output (SPEC section 9 names); curves smoothed with EMA alpha (SPEC 11: 0.10)."""
+    """Metrics output (names: docs/objectives.md and docs/engines.md); curves are smoothed with
+    EMA alpha (PKL Figure 3: 0.10)."""
 
-    jsonl: bool = True
+    jsonl: bool = True  # <run_dir>/metrics.jsonl, one row per update
+    # <run_dir>/tensorboard (off here; configs/base/default.yaml turns it on for paper runs)
     tensorboard: bool = False
-    every: int = field(default=1, metadata=rng(1))
+    every: int = field(default=1, metadata=rng(1))  # log every n-th update
+    # `megapkl plot`'s default
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
-    progress_bar: bool = True
+    progress_bar: bool = True  # a progress line on the terminal (rank 0)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -178,8 +185,10 @@ class CheckpointConfig:
     the latest checkpoint in `dir`, a string names one."""
 
     dir: Optional[str] = None  # unset: <run_dir>/checkpoints
+    # updates between checkpoints; 0: at the end only
     every: int = field(default=100, metadata=rng(0))
-    keep: Optional[int] = field(default=3, metadata=rng(1))
+    keep: Optional[int] = field(default=3, metadata=rng(1))  # the latest n kept; null: all
+    # true: the latest in dir (`submit --if-exists resume` sets it); a path: that checkpoint
     resume: Union[bool, str] = False
     export_hf: bool = False  # also write a HF-format copy of the final weights
 
@@ -194,18 +203,19 @@ class SlurmConfig:
     `gpus_per_node` are set (minus SGLang GPUs when engines are not colocated); a local run leaves
     them null. Cluster profiles (a later issue) fill the rest by `profile` name."""
 
+    # slurm/profiles/<name>.yaml or a path, when --profile is not given
     profile: Optional[str] = None
-    nodes: Optional[int] = field(default=None, metadata=rng(1))
-    gpus_per_node: Optional[int] = field(default=None, metadata=rng(1))
-    cpus_per_task: Optional[int] = field(default=None, metadata=rng(1))
+    nodes: Optional[int] = field(default=None, metadata=rng(1))  # unset: the profile's
+    gpus_per_node: Optional[int] = field(default=None, metadata=rng(1))  # unset: the profile's
+    cpus_per_task: Optional[int] = field(default=None, metadata=rng(1))  # unset: the profile's
     mem: Optional[str] = None  # e.g. '0' (all) or '500G'
-    time: str = "04:00:00"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    time: str = "04:00:00"  # the job's time limit (sbatch --time); it requeues itself at the end
+    partition: Optional[str] = None  # unset: the profile's
+    account: Optional[str] = None  # unset: the profile's
+    qos: Optional[str] = None  # unset: the profile's
+    constraint: Optional[str] = None  # sbatch --constraint (GPU type); unset: the profile's
     job_name: Optional[str] = None  # unset: the run name
-    exclusive: bool = True
+    exclusive: bool = True  # whole nodes (sbatch --exclusive)
     setup: list[str] = field(default_factory=list)  # shell lines run before the trainer
     extra: dict[str, Any] = field(default_factory=dict)  # extra sbatch parameters
 

@@ -58,7 +58,10 @@ def type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     if origin in (list, tuple, dict):
-        return str(tp).replace("typing.", "")
+        args = ", ".join("..." if a is Ellipsis else type_name(a) for a in typing.get_args(tp))
+        return f"{origin.__name__}[{args}]" if args else origin.__name__
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -75,7 +78,7 @@ def convert(tp: Any, value: Any, key: str, source: str) -> Any:
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            _fail(f"expected a mapping (section {type_name(tp)}), got {value!r}", key, source)
+            _fail(f"expected a mapping (section {tp.__name__}), got {value!r}", key, source)
         return build(tp, value, key=key, source=source)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)

@@ -83,7 +83,7 @@ def job_profile(prep: PreparedRun, profile: Optional[str]) -> ClusterProfile:
     prof = load_profile(name)
     job: dict[str, Any] = {}
     for k, v in prep.slurm_explicit.items():
-        if k in _NOT_JOB_KEYS:
+        if k in _NOT_JOB_KEYS or v is None:  # null: the profile's value
             continue
         if k not in _SLURM_TO_PROFILE:
             continue  # a key the config schema added later: it validated it already
