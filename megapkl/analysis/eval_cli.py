@@ -80,6 +80,16 @@ def policy_weights(cfg, ckpt: Path):
     return spec, export_hf_weights(chunks, spec=spec, groups=groups)
 
 
+def engine_weights(cfg, weights):
+    """What the engine is given, as in training: with FP8 rollouts only ever FP8 weights (an
+    SGLang server of an FP8 run serves a block-FP8 checkpoint)."""
+    if not cfg.rollout.fp8:
+        return weights
+    from megapkl.rollout.fp8 import FP8Transform
+
+    return FP8Transform()(weights)
+
+
 def section_overrides(overrides: Sequence[str]) -> dict:
     """{'greedy': ..., 'n_samples': ...} from eval.greedy / eval.n_samples overrides."""
     from megapkl.config import parse_override
@@ -121,7 +131,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     engine = build_run_engine(cfg, spec, tokenizer)
     scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
     try:
-        engine.update_weights(weights, version=version)
+        engine.update_weights(engine_weights(cfg, weights), version=version)
         records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version, seed=cfg.seed,
                            scoring=scoring)
     finally:

@@ -174,8 +174,6 @@ def pkl_run(work, data):
     steps["first"] = job_id(first.out)
     steps["first_status"] = wait_for(steps["first"])
     steps["logs"] = megapkl(*doc("megapkl logs JOB", JOB=steps["first"])).ok()
-    steps["in_training_eval"] = {
-        p.name: p.read_text() for p in sorted((work / PKL_RUN / "eval").iterdir())}
     steps["again"] = megapkl(*doc(submit, **subst), *PKL_CPU, "train.steps=2")
     # a resubmission that would start in an hour: cancelled while it waits
     pending = megapkl(*doc(resume, **subst), *PKL_CPU, "train.steps=4",
@@ -186,6 +184,8 @@ def pkl_run(work, data):
     resumed = megapkl(*doc(resume, **subst), *PKL_CPU, "train.steps=4").ok()
     steps["resumed"] = job_id(resumed.out)
     steps["resumed_status"] = wait_for(steps["resumed"])
+    steps["in_training_eval"] = {  # before `megapkl eval` writes its own files there
+        p.name: p.read_text() for p in sorted((work / PKL_RUN / "eval").iterdir())}
     return work / PKL_RUN, steps
 
 
@@ -218,10 +218,10 @@ def test_every_documented_command_is_covered():
     commands = doc_commands(DOC)
     assert sorted(set(commands)) == sorted(COVERAGE), \
         "docs/experiments.md and COVERAGE differ: add the new command to COVERAGE and run it"
-    from megapkl.config import load_config
+    from megapkl.config.yamlio import parse_mapping
 
-    names = {load_config(p).name for p in (REPO / "configs" / "experiments").rglob("*.yaml")
-             if not p.name.startswith("_")}
+    names = {parse_mapping(p.read_text(), str(p), "")[0].get("name")
+             for p in (REPO / "configs" / "experiments").rglob("*.yaml")}
     for command in commands:
         for word in command.split():
             if word.startswith("runs/") and not word.startswith("runs/cpu_demo"):
@@ -376,3 +376,31 @@ def test_laptop_section(work):
     megapkl(*doc('megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: '
                  'next_mod10, greedy: true}]"'), short).ok()
     assert sorted(p.name for p in (demo / "eval").glob("*.json")) == ["step_000000.json"]
+
+
+def test_readme_lists_every_command():
+    """README's command list names every subcommand of the CLI, and nothing else."""
+    import argparse
+    import re
+
+    from megapkl.cli import build_parser
+
+    def commands(parser, prefix=""):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    nested = list(commands(sub, f"{prefix}{name} "))
+                    yield from nested or [f"{prefix}{name}"]
+
+    block = re.search(r"## Commands\n\n```bash\n(.*?)```", (REPO / "README.md").read_text(),
+                      flags=re.S).group(1)
+    lines = []
+    for line in block.splitlines():
+        words = line.split()
+        if words[:1] == ["megapkl"]:  # `megapkl status|cancel|logs JOB`: three commands
+            lines += [" ".join(["megapkl", w, *words[2:]]) + " " for w in words[1].split("|")]
+    cli = set(commands(build_parser()))
+    missing = [c for c in cli if not any(line.startswith(f"megapkl {c} ") for line in lines)]
+    assert not missing, f"README's command list lacks {sorted(missing)}"
+    top = {c.split()[0] for c in cli}
+    assert all(line.split()[1] in top for line in lines), lines
