@@ -67,9 +67,9 @@ COVERAGE = {
     f"megapkl eval {PKL_RUN}/checkpoints/step_00001500 --out results/pkl_1500":
         "test_eval_checkpoint_directory_to_out",
     f"megapkl plot {PKL_RUN} runs/pkl_t4_qwen3_1p7b_grpo --out plots/pkl_vs_grpo --ema 0.2":
-        "test_plot_and_diagnose (the SIS run in place of GRPO)",
+        "test_plot (the SIS run in place of GRPO)",
     f"megapkl diagnose correction-variance {PKL_RUN} --out results/pkl_c3.json":
-        "test_plot_and_diagnose",
+        "test_diagnose",
     "megapkl demo": "test_laptop_section",
     "megapkl eval runs/cpu_demo_proximal_kl --benchmarks next_mod10": "test_laptop_section",
     'megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: next_mod10, '
@@ -269,7 +269,8 @@ def test_slurm_run_status_logs_cancel_resume(pkl_run):
     run, steps = pkl_run
     assert "State=COMPLETED" in steps["first_status"] and "last step: step=1" in \
         steps["first_status"]
-    assert "megapkl.train" in steps["logs"].out or steps["logs"].out  # the task's log
+    log = steps["logs"].out  # task 0's stdout
+    assert f"JobEnvironment(job_id={steps['first']}," in log and "Job completed successfully" in log
     assert steps["again"].rc == 1 and "--if-exists resume" in steps["again"].err
     assert "State=CANCELLED" in steps["pending_status"]
     assert "State=COMPLETED" in steps["resumed_status"]
@@ -347,13 +348,16 @@ def test_eval_of_an_sglang_run_uses_its_servers(sis_run):
     assert read_jsonl(Path("results/sis/step_000004.samples.jsonl")) == during
 
 
-def test_plot_and_diagnose(pkl_run, sis_run, work):
-    run, _ = pkl_run
+def test_plot(pkl_run, sis_run, work):
     cmd = f"megapkl plot {PKL_RUN} runs/pkl_t4_qwen3_1p7b_grpo --out plots/pkl_vs_grpo --ema 0.2"
     megapkl(*doc(cmd, **{"runs/pkl_t4_qwen3_1p7b_grpo": SIS_RUN})).ok()
     drawn = {p.name for p in (work / "plots" / "pkl_vs_grpo").glob("*.png")}
     assert {"overview.png", "eval_overview.png", "eval_micro_avg_accuracy.png",
             "eval_math500_pass@1_greedy.png", "eval_amc23_mean@32.png"} <= drawn
+
+
+def test_diagnose(pkl_run, work):
+    run, _ = pkl_run
     cmd = f"megapkl diagnose correction-variance {PKL_RUN} --out results/pkl_c3.json"
     megapkl(*doc(cmd), "--prompts", "2", "--responses", "4").ok()
     result = json.loads((work / "results" / "pkl_c3.json").read_text())
@@ -361,6 +365,24 @@ def test_plot_and_diagnose(pkl_run, sis_run, work):
     assert result["reference"] == "init" and (result["prompts"], result["responses"]) == (2, 4)
     assert list(result["V"]) == ["1", "2", "4", "8", "16", "32", "64", "full"]
     assert all(v >= 0.0 for v in result["V"].values()) and result["V"]["full"] > 0.0
+
+
+def test_eval_and_diagnose_whatever_the_job_shape(pkl_run, work):
+    """The run as a cluster records it: its config.yaml says 1 node x 8 GPUs, tensor 2 with
+    sequence parallelism, context 2, data 2. `eval` and `diagnose` still run in one process."""
+    from megapkl.config import dump_config, load_config
+
+    run, _ = pkl_run
+    shaped = work / "runs" / "pkl_t4_qwen3_1p7b_pkl_cluster"
+    shaped.mkdir()
+    cluster = ["slurm.nodes=1", "slurm.gpus_per_node=8", "parallel.tensor=2",
+               "parallel.sequence_parallel=true", "parallel.context=2", "parallel.data=2",
+               f"run_dir={shaped}"]
+    (shaped / "config.yaml").write_text(dump_config(load_config(run / "config.yaml", cluster)))
+    out = megapkl("eval", shaped, "--benchmarks", "math500").ok().out
+    assert "(update 4)" in out and (shaped / "eval" / "step_000004.json").is_file()
+    megapkl("diagnose", "correction-variance", shaped, "--prompts", "2", "--responses", "2",
+            "--horizons", "1,full").ok()
 
 
 def test_laptop_section(work):
