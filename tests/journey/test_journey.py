@@ -78,8 +78,11 @@ COVERAGE = {
 }
 
 # The paper runs scaled to CPU. The PKL run: 2 Slurm tasks (data parallel 2 over gloo), the
-# embedded engine; evaluation on the paper's eight benchmarks every 2 updates.
-CPU = ["model.num_layers=null", "model.dtype=fp32", "model.recompute=none", "parallel.context=1",
+# embedded engine; evaluation on the paper's eight benchmarks every 2 updates. A tiny random model
+# solves no math problem: every reward is -1, so the papers' group-relative advantages would all be
+# 0 and the weights would never move; raw advantages (-1) move them at every update, so resume,
+# checkpoints, evaluation and the diagnostic see a changing policy.
+CPU = ["advantage.mode=raw", "model.num_layers=null", "model.dtype=fp32", "model.recompute=none", "parallel.context=1",
        "parallel.micro_batch_size=4", "slurm.nodes=null", "slurm.gpus_per_node=null",
        "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
        "rollout.max_prompt_len=256", "rollout.max_response_len=8", "eval.every=2",
@@ -87,7 +90,7 @@ CPU = ["model.num_layers=null", "model.dtype=fp32", "model.recompute=none", "par
 PKL_CPU = [*CPU, "model.name=tiny-qwen3", "parallel.data=2", "rollout.engine=embedded"]
 SERVE = ["{python}", "-m", "megapkl.serve.serve", "--hf-checkpoint", "{model_path}", "--host",
          "{host}", "--port", "{port}", "--enable-return-routed-experts"]
-SIS_CPU = [*CPU, "model.name=tiny-qwen3-moe", "model.num_experts=null", "parallel.tensor=1",
+SIS_CPU = [*CPU, "advantage.filter_constant_groups=false", "model.name=tiny-qwen3-moe", "model.num_experts=null", "parallel.tensor=1",
            "parallel.sequence_parallel=false", "parallel.expert=1", "parallel.data=1",
            f"rollout.sglang.server_command={json.dumps(SERVE)}", "rollout.sglang.num_engines=1",
            "rollout.sglang.tp=1", "rollout.sglang.ep=1", "rollout.sglang.use_router=false",
@@ -364,6 +367,7 @@ def test_diagnose(pkl_run, work):
     assert result["current"] == str(run / "checkpoints" / "step_00000004")
     assert result["reference"] == "init" and (result["prompts"], result["responses"]) == (2, 4)
     assert list(result["V"]) == ["1", "2", "4", "8", "16", "32", "64", "full"]
+    assert all(r["grad_norm"] > 0 for r in read_jsonl(run / "metrics.jsonl"))
     assert all(v >= 0.0 for v in result["V"].values()) and result["V"]["full"] > 0.0
 
 
