@@ -22,6 +22,7 @@ from sglang_fixtures import free_port, http
 from megapkl.rollout.embedded import EmbeddedEngine
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem
+from megapkl.rollout.embedded import checkpoint_tensors
 from megapkl.serve.serve import SGLangCompatServer, make_http_server
 from megapkl.serve.serve_protocol import decode_routed_experts
 from megapkl.serve.serve_state import InterruptibleEngine, ServeState
@@ -30,7 +31,7 @@ from megapkl.serve.serve_state import InterruptibleEngine, ServeState
 class Served:
     def __init__(self, cfg: dict, model, routed: bool = False):
         engine = InterruptibleEngine(cfg, seed=0)
-        engine.update_weights(model.state_dict().items(), version=0)
+        engine.update_weights(checkpoint_tensors(model), version=0)
         self.state = ServeState(engine, model_path="tiny", served_model_name="tiny",
                                 enable_routed_experts=routed)
         self.app = SGLangCompatServer(self.state, port=0)
