@@ -62,9 +62,10 @@ def _scheduler_side(server_args, model: RecordingModel):
         SchedulerWeightUpdaterManager)
     from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
+    publish(server_args, role="scheduler")  # the scheduler process's config, as at launch
     get_parallel().override_permanently(tp_rank=0)
     group = _default_group()
     updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0,
