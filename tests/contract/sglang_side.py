@@ -191,15 +191,19 @@ def generate_request(body: dict, vocab_size: int) -> dict[str, Any]:
         return {"error": error}
     try:
         obj = GenerateReqInput(**body)
-        obj.normalize_batch_and_arguments()
-        params = SamplingParams(**(obj.sampling_params or {}))
+        obj.normalize_batch_and_arguments()  # n > 1 expands into one entry per sample
+        per_sample = obj.sampling_params if isinstance(obj.sampling_params, list) else [
+            obj.sampling_params]
+        if any(p != per_sample[0] for p in per_sample):
+            return {"error": f"samples of one prompt got different sampling_params: {per_sample}"}
+        params = SamplingParams(**(per_sample[0] or {}))
         params.verify(vocab_size)
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"batch_size": obj.batch_size, "is_single": obj.is_single,
-            "return_logprob": obj.return_logprob, "logprob_start_len": obj.logprob_start_len,
-            "top_logprobs_num": obj.top_logprobs_num,
-            "return_routed_experts": obj.return_routed_experts,
+    first = (lambda v: v[0] if isinstance(v, list) else v)
+    return {"samples": len(per_sample), "return_logprob": first(obj.return_logprob), "logprob_start_len": first(obj.logprob_start_len),
+            "top_logprobs_num": first(obj.top_logprobs_num),
+            "return_routed_experts": first(obj.return_routed_experts),
             "max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
             "ignore_eos": params.ignore_eos,
