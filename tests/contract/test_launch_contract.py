@@ -54,7 +54,7 @@ def test_memory_saver_adapter_follows_colocation(sglang, name, tmp_path, monkeyp
     got = sglang.call("memory_saver", run.sglang_argv())
     colocated = run.cfg.rollout.sglang.colocate
     want = "_TorchMemorySaverAdapterReal" if colocated else "_TorchMemorySaverAdapterNoop"
-    assert (got["adapter"], got["enabled"]) == (want, colocated), got
+    assert (got["adapter"], got["enable_memory_saver"]) == (want, colocated), got
 
 
 def _gpus(sglang, argv: list[str], env: dict, tp: int) -> list[str]:

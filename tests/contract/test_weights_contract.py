@@ -104,13 +104,8 @@ def test_tensor_sync_is_loaded_bit_for_bit(sglang, name, tmp_path, monkeypatch):
     assert sglang.call("front_state")["weight_version"] == "7"
 
 
-@pytest.mark.parametrize("name", [
-    "bf16_separate_gpus",
-    pytest.param("default_fp8_colocated", marks=pytest.mark.xfail(
-        strict=True, reason="defect 9: megapkl declares float8_e4m3fn and broadcasts uint8 over "
-        "gloo; SGLang broadcasts into a float8 buffer, which gloo cannot"))])
-def test_distributed_sync_is_received_bit_for_bit(sglang, name, tmp_path, monkeypatch):
-    run = launched(name, tmp_path, monkeypatch)
+def test_distributed_sync_is_received_bit_for_bit(sglang, tmp_path, monkeypatch):
+    run = launched("bf16_separate_gpus", tmp_path, monkeypatch)
     error, sent, log, received = _push(sglang, run, "distributed", tmp_path)
     assert error is None, error
     init = [e for e in log if e["class"] == "InitWeightsUpdateGroupReqInput"]
@@ -118,9 +113,31 @@ def test_distributed_sync_is_received_bit_for_bit(sglang, name, tmp_path, monkey
     group = {"InitWeightsUpdateGroupReqInput", "DestroyWeightsUpdateGroupReqInput"}
     _check_sequence([e for e in log if e["class"] not in group],
                     "UpdateWeightsFromDistributedReqInput")
-    if run.cfg.rollout.fp8:
-        assert any(t.dtype == torch.float8_e4m3fn for _, t in sent)
     _same(sent, received)
+
+
+@pytest.mark.xfail(strict=True, reason="defect 9: megapkl declares float8_e4m3fn and broadcasts "
+                   "uint8 over gloo; SGLang broadcasts into a float8 buffer, which gloo cannot")
+def test_fp8_distributed_sync_is_received_or_refused_up_front(sglang, tmp_path, monkeypatch):
+    """FP8 weights over a gloo group (CPU tensors): SGLang allocates float8_e4m3fn receive
+    buffers and broadcasts into them. Either SGLang ends up holding exactly the e4m3 weights and
+    scales megapkl sent, or megapkl refuses the sync before any weight is sent, with an error
+    that names the settings (a server must never be left half-updated or get the bytes as
+    another dtype)."""
+    from megapkl.rollout.engine import WeightUpdateError
+
+    run = launched("default_fp8_colocated", tmp_path, monkeypatch)
+    try:
+        error, sent, log, received = _push(sglang, run, "distributed", tmp_path)
+    except RuntimeError as exc:  # a collective that timed out: neither delivered nor refused
+        pytest.fail(f"the FP8 broadcast failed: {exc}")
+    assert any(t.dtype == torch.float8_e4m3fn for _, t in sent)
+    updates = [e for e in log if e["class"] == "UpdateWeightsFromDistributedReqInput"]
+    if error is None:
+        _same(sent, received)
+    else:
+        assert not updates and not received, (error, [e["class"] for e in log])
+        assert "fp8" in error.lower() and "distributed" in error.lower(), error
 
 
 @pytest.mark.xfail(strict=True, reason="defect 10: the disk request carries no load_format, "
