@@ -253,6 +253,34 @@ def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) 
     return extra
 
 
+def dedicated_tasks_per_node(cfg: Any) -> Optional[int]:
+    """Trainer tasks per node when SGLang servers get GPUs of their own (`colocate: false`): the
+    job asks for every GPU of its nodes but starts fewer tasks; the servers take the rest."""
+    sg, world, nodes = cfg.rollout.sglang, cfg.world_size, cfg.slurm.nodes
+    if cfg.rollout.engine != "sglang" or sg.colocate or sg.urls or world is None:
+        return None
+    return world // nodes if world % nodes == 0 else None
+
+
+def settle_shape(config: str | os.PathLike, overrides: list[str], profile: Optional[str], *,
+                 cwd: Path) -> tuple[PreparedRun, ClusterProfile]:
+    """The run config and its profile with the job shape the profile gives it (shape_overrides),
+    and, with dedicated SGLang GPUs, as many tasks per node as the trainer has ranks there."""
+    prep = prepare_run(config, overrides, cwd=cwd)
+    prof = job_profile(prep, profile)
+    name = profile or prep.cfg.slurm.profile
+    extra = shape_overrides(prep, prof, name)
+    if extra:
+        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
+                                   overrides=overrides)
+    tasks = dedicated_tasks_per_node(prep.cfg) if prof.uses_gpus else None
+    if tasks is not None and "tasks_per_node" not in prep.slurm_explicit:
+        prof = prof.with_job({"tasks_per_node": tasks}, source=prep.config_path,
+                             key_names={"tasks_per_node": "tasks_per_node (trainer ranks per "
+                                                          "node beside dedicated SGLang GPUs)"})
+    return prep, prof
+
+
 def check_fit(cfg: Any, prof: ClusterProfile) -> None:
     """LaunchError with the planner's table when the run cannot fit the profile's GPUs."""
     if not prof.uses_gpus:
@@ -281,13 +309,11 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
     A run that `megapkl plan` says cannot fit its GPUs is refused unless `force`."""
     cwd = Path(cwd or Path.cwd()).resolve()
     overrides = resume_overrides(list(overrides), if_exists)
-    prep = prepare_run(config, overrides, cwd=cwd)
-    prof = job_profile(prep, profile)
-    extra = shape_overrides(prep, prof, profile or prep.cfg.slurm.profile)
-    if extra:
-        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
-                                   overrides=overrides)
+    prep, prof = settle_shape(config, overrides, profile, cwd=cwd)
     check_entry_importable(entry)
+    from megapkl.launch.plan import check_fleet
+
+    check_fleet(prep.cfg, prep.config_path)  # the servers must fit the job, --force or not
     if not force:
         check_fit(prep.cfg, prof)
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
