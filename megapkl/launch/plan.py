@@ -229,9 +229,15 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU) -> Plan:
     step = flops / (gpus * peak * 1e12 * mfu) if peak else None
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
                 flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
-                servers=fleet_line(cfg), engine_gib=sg.mem_fraction_static * (gpu or 0.0)
-                if cfg.rollout.engine == "sglang" and not sg.urls else 0.0,
-                engine_weights_gib=served_weight_bytes(spec, cfg.rollout.fp8) / sg.tp / GIB)
+                servers=fleet_line(cfg), **_engine_memory(cfg, spec, gpu))
+
+
+def _engine_memory(cfg, spec, gpu: Optional[float]) -> dict[str, float]:
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sg.urls or gpu is None:
+        return {}
+    return {"engine_gib": sg.mem_fraction_static * gpu,
+            "engine_weights_gib": served_weight_bytes(spec, cfg.rollout.fp8) / sg.tp / GIB}
 
 
 def served_weight_bytes(spec, fp8: bool) -> float:

@@ -92,8 +92,12 @@ def job_profile(prep: PreparedRun, profile: Optional[str]) -> ClusterProfile:
     return prof.with_job(job, source=prep.config_path, key_names=back) if job else prof
 
 
-def sbatch_parameters(prof: ClusterProfile, job_name: str) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (native names) for a job on `prof`."""
+def sbatch_parameters(prof: ClusterProfile, job_name: str,
+                      folder: Optional[Path] = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (native names) for a job on `prof`; with the submitit
+    `folder`, the batch script requeues the job from the host when a task asks for it
+    (runtime.host_requeue_lines: tasks in a container have no Slurm client), and srun ends every
+    task when one exits with an error (a rank the preemption watchdog stops, a crashed rank)."""
     p: dict[str, Any] = {
         "job_name": job_name,
         "partition": prof.partition,
@@ -114,9 +118,15 @@ def sbatch_parameters(prof: ClusterProfile, job_name: str) -> dict[str, Any]:
     if prof.exclusive:
         p["exclusive"] = True
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
+    srun_args = list(prof.srun_args)
+    if folder is not None:
+        from megapkl.launch.runtime import host_requeue_lines
+
+        requeue_setup, p["teardown"] = host_requeue_lines(folder)
+        setup += requeue_setup
+        srun_args.insert(0, "--kill-on-bad-exit=1")
     if setup:
         p["setup"] = setup
-    srun_args = list(prof.srun_args)
     c = prof.container
     if c is not None and c.runtime == "pyxis":
         srun_args.append(f"--container-image={c.image}")
@@ -281,6 +291,18 @@ def settle_shape(config: str | os.PathLike, overrides: list[str], profile: Optio
     return prep, prof
 
 
+def check_container(cfg: Any, prof: ClusterProfile, source: str) -> None:
+    """Dedicated SGLang servers on several nodes are started with `srun --overlap` from inside a
+    task, which a container image (no Slurm client) cannot do: refuse before submitting."""
+    sg = cfg.rollout.sglang
+    if (prof.container is not None and cfg.rollout.engine == "sglang" and not sg.colocate
+            and not sg.urls and prof.nodes > 1):
+        raise ConfigError(f"false starts the SGLang servers on other nodes with srun from inside "
+                          f"a task, and the tasks of profile {prof.name} run in a container "
+                          "without the Slurm client: use colocate true, one node, or a profile "
+                          "without a container", key="rollout.sglang.colocate", source=source)
+
+
 def check_fit(cfg: Any, prof: ClusterProfile) -> None:
     """LaunchError with the planner's table when the run cannot fit the profile's GPUs."""
     if not prof.uses_gpus:
@@ -314,11 +336,12 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
     from megapkl.launch.plan import check_fleet
 
     check_fleet(prep.cfg, prep.config_path)  # the servers must fit the job, --force or not
+    check_container(prep.cfg, prof, prep.config_path)
     if not force:
         check_fit(prep.cfg, prof)
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
     folder = prep.run_dir / "submitit"
-    params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name)
+    params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name, folder)
     if dry_run:
         return Submission(None, prep.run_dir, prof, params, spec, sbatch_script(prof, folder, params))
     prepare_run_dir(prep.run_dir, if_exists)

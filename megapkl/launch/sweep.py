@@ -131,7 +131,7 @@ def sweep(config: str | os.PathLike, profile: Optional[str], grid: Sequence[str]
         check_fleet(prep.cfg, prep.config_path)
         preps.append(prep)
     folder = sweep_dir / "submitit"
-    params = sbatch_parameters(prof, base.cfg.slurm.job_name or base.name)
+    params = sbatch_parameters(prof, base.cfg.slurm.job_name or base.name, folder)
     out = SweepSubmission(sweep_dir, [SweepElement(i, lab, ov, p.run_dir) for i, ((lab, ov), p)
                                       in enumerate(zip(elements, preps))], None)
     if dry_run:
