@@ -269,6 +269,11 @@ def check_fleet(cfg, source: str = "") -> str:
     world = cfg.world_size
     if cfg.rollout.engine != "sglang" or sg.urls or sg.server_command or world is None:
         return ""
+    if sg.colocate and sg.weight_sync == "distributed":
+        raise ConfigError("distributed with colocate true: the trainer's NCCL rank and a "
+                          "server's would share a GPU, which NCCL refuses; use tensor or disk, "
+                          "or rollout.sglang.colocate false", key="rollout.sglang.weight_sync",
+                          source=source)
     if world % slurm.nodes:
         raise ConfigError(f"{world} trainer ranks do not split evenly over {slurm.nodes} nodes "
                           "(rollout.sglang.num_engines, rollout.sglang.tp)", key="slurm.nodes",

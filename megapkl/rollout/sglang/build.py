@@ -17,7 +17,8 @@ from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_add
                                            plan_servers, releases_memory, router_command,
                                            server_command, slurm_nodes, this_node, wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
-from megapkl.rollout.sglang.weights import MiB, SyncSettings, Transform, WeightSync, identity
+from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
+                                            identity)
 
 
 def health_settings(sg: Any) -> HealthSettings:
@@ -125,6 +126,11 @@ def launch_fleet(cfg: Any, hf_config: dict, work: Path, replica: int = 0, replic
     model_path, dummy = served_model_dir(cfg, hf_config, work, tokenizer)
     # GPU placement for SGLang itself; a stand-in server_command places nothing.
     slots = None if sg.server_command else engine_slots(cfg, replica, replicas)
+    if slots is not None and sg.colocate and sg.weight_sync == "distributed" \
+            and group_backend() == "nccl":
+        raise LaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
+                          "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
+                          "tensor or disk, or rollout.sglang.colocate false")
 
     def make_cmd(host: str, port: int, base_gpu_id: Optional[int]) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
