@@ -67,7 +67,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
+    """Validate the run config, then train on this machine (a process per GPU, or forked gloo
+    ranks on a CPU machine, when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides)
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
