@@ -60,9 +60,16 @@ def load_variant(name: str, run_dir: Path, extra: tuple[str, ...] = ()):
                        [*TINY, *VARIANTS[name], f"run_dir={run_dir}", *extra])
 
 
+# The EOS id of the run's tokenizer, which the trainer hands to `launch_fleet` (a run without a
+# checkpoint config.json declaring one and without a tokenizer is refused before any launch).
+TOKENIZER_EOS = 2
+
+
 def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
-             extra: tuple[str, ...] = ()) -> Launch:
+             extra: tuple[str, ...] = (), tokenizer_eos: Any = TOKENIZER_EOS) -> Launch:
     """What `launch_fleet` starts for variant `name` (nothing is started)."""
+    from types import SimpleNamespace
+
     from megapkl.models.spec import hf_config_dict, load_spec
     from megapkl.rollout.sglang import build
     from megapkl.rollout.sglang.launch import ServerProcess
@@ -78,7 +85,8 @@ def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(ServerProcess, "start", start)
     monkeypatch.setattr(ServerProcess, "alive", lambda self: True)
     monkeypatch.setattr(build, "_wait_all", lambda *a, **k: None)
-    fleet = build.launch_fleet(cfg, hf_config, Path(run_dir) / "sglang")
+    tokenizer = None if tokenizer_eos is None else SimpleNamespace(eos_token_id=tokenizer_eos)
+    fleet = build.launch_fleet(cfg, hf_config, Path(run_dir) / "sglang", tokenizer=tokenizer)
     out = Launch(cfg, hf_config)
     for p in started:
         if p.name == "router":

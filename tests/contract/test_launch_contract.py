@@ -13,7 +13,6 @@ import pytest
 
 from megapkl_side import VARIANTS, launched
 
-COLOCATED = {"default_fp8_colocated", "moe_r3_tp2_ep2"}
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -44,11 +43,7 @@ def test_sglang_refuses_a_context_longer_than_the_model(sglang, tmp_path, monkey
     assert "error" in got and "context" in got["error"].lower(), got
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        strict=True, reason="defect 3: colocated servers start without --enable-memory-saver, "
-        "so SGLang picks the no-op adapter and never frees GPU memory"))
-    if n in COLOCATED else n for n in sorted(VARIANTS)])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_memory_saver_adapter_follows_colocation(sglang, name, tmp_path, monkeypatch):
     run = launched(name, tmp_path, monkeypatch)
     got = sglang.call("memory_saver", run.sglang_argv())
@@ -71,8 +66,6 @@ def _gpus(sglang, argv: list[str], env: dict, tp: int) -> list[str]:
     return [shown[i] for i in ids]
 
 
-@pytest.mark.xfail(strict=True, reason="defect 4: every server of a node lands on GPU 0 (no "
-                   "--base-gpu-id or CUDA_VISIBLE_DEVICES per server)")
 def test_servers_of_a_node_use_distinct_gpus(sglang, tmp_path, monkeypatch):
     run = launched("moe_r3_tp2_ep2", tmp_path, monkeypatch)
     tp = run.cfg.rollout.sglang.tp

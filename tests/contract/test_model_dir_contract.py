@@ -14,9 +14,6 @@ import pytest
 from megapkl_side import launched
 
 
-@pytest.mark.xfail(strict=True, reason="defect 2: the served directory has no "
-                   "quantization_config, so --quantization fp8 gives online per-tensor FP8 "
-                   "instead of the block FP8 megapkl pushes")
 @pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_r3_tp2_ep2"])
 def test_fp8_rollouts_get_sglangs_block_fp8(sglang, name, tmp_path, monkeypatch):
     from megapkl.rollout.fp8 import BLOCK
@@ -36,17 +33,17 @@ def test_bf16_rollouts_are_not_quantized(sglang, tmp_path, monkeypatch):
     assert got["quantization"] is None, got
 
 
-@pytest.mark.xfail(strict=True, reason="EOS id: the config-only config.json has no "
-                   "eos_token_id, so a --skip-tokenizer-init server never stops at EOS")
 def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
-    """A real model's served directory: SGLang must find the model's EOS id(s) in it."""
-    from megapkl.models.spec import load_spec
+    """A real model's served directory (no checkpoint, so a config-only directory): SGLang must
+    find the run tokenizer's EOS id in it, and a run with no EOS anywhere is refused up front."""
+    from megapkl.rollout.sglang.launch import LaunchError
+
+    from megapkl_side import TOKENIZER_EOS
 
     run = launched("default_fp8_colocated", tmp_path, monkeypatch,
                    extra=("model.name=qwen3-1.7b", "rollout.fp8=false"))
     got = sglang.call("quant_config", run.sglang_argv())
-    spec_eos = getattr(load_spec("qwen3-1.7b"), "eos_token_id", None)
-    assert got["eos_token_ids"], f"SGLang finds no EOS id in {run.model_dir}/config.json"
-    if spec_eos is not None:
-        want = [spec_eos] if isinstance(spec_eos, int) else list(spec_eos)
-        assert got["eos_token_ids"] == sorted(want)
+    assert got["eos_token_ids"] == [TOKENIZER_EOS], \
+        f"SGLang finds {got['eos_token_ids']} as EOS in {run.model_dir}/config.json"
+    with pytest.raises(LaunchError, match="eos_token_id"):
+        launched("default_fp8_colocated", tmp_path / "none", monkeypatch, tokenizer_eos=None)

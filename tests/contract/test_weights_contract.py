@@ -116,8 +116,6 @@ def test_distributed_sync_is_received_bit_for_bit(sglang, tmp_path, monkeypatch)
     _same(sent, received)
 
 
-@pytest.mark.xfail(strict=True, reason="defect 9: megapkl declares float8_e4m3fn and broadcasts "
-                   "uint8 over gloo; SGLang broadcasts into a float8 buffer, which gloo cannot")
 def test_fp8_distributed_sync_is_received_or_refused_up_front(sglang, tmp_path, monkeypatch):
     """FP8 weights over a gloo group (CPU tensors): SGLang allocates float8_e4m3fn receive
     buffers and broadcasts into them. Either SGLang ends up holding exactly the e4m3 weights and
@@ -140,8 +138,6 @@ def test_fp8_distributed_sync_is_received_or_refused_up_front(sglang, tmp_path, 
         assert "fp8" in error.lower() and "distributed" in error.lower(), error
 
 
-@pytest.mark.xfail(strict=True, reason="defect 10: the disk request carries no load_format, "
-                   "the server fills in its own `dummy`, and the disk updater refuses it")
 def test_disk_sync_is_accepted_by_a_dummy_started_server(sglang, tmp_path, monkeypatch):
     run = launched("bf16_separate_gpus", tmp_path, monkeypatch)
     error, sent, log, _ = _push(sglang, run, "disk", tmp_path)
