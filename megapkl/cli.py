@@ -82,7 +82,8 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
+    """Validate the run config, then train on this machine (a process per GPU, or forked gloo
+    ranks on a CPU machine, when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides, local=True)
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
