@@ -77,8 +77,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     import json
 
     from megapkl.config import load_config
-    from megapkl.eval.hook import eval_tokenizer
-    from megapkl.train.rollouts import build_run_engine
+    from megapkl.rollout.factory import build_run_engine, load_tokenizer
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
 
@@ -86,7 +85,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     cfg = load_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS])
     ckpt = resolve_checkpoint(cfg, run, ckpt, step)
     version = json.loads((ckpt / "complete").read_text())["step"]
-    tokenizer = eval_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data, required=False)
     benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg, spec, tokenizer)

@@ -1,5 +1,5 @@
 """Benchmark evaluation through a rollout engine: prompts -> `engine.generate` -> scoring ->
-metrics -> files. Used by `megapkl eval` and by the in-training hook (`megapkl.eval.hook`); only
+metrics -> files. Used by `megapkl eval` and by the in-training evaluation (`megapkl.train.evaluation`); only
 the `RolloutEngine` interface is touched, so any engine (embedded, SGLang) serves.
 
 A benchmark is a synthetic task name (`next_mod10`, `add_mod10`: exact-match scoring of the task)

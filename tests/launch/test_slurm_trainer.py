@@ -31,12 +31,13 @@ SPEC_METRICS = {"loss", "grad_norm", "lr", "reward/mean", "train/accuracy", "sta
                 "staleness/max", "response_len/mean", "tokens_per_s", "coef/mean",
                 "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min", "is/log_dev", "kl/prox_k3",
                 "pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
-# Wall-clock fields: differ between any two runs.
-TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s", "time/version_load_s")
 
 
 def comparable(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    """Rows without their wall-clock fields (which differ between any two runs)."""
+    from megapkl.train.metrics_log import wall_clock
+
+    return [{k: v for k, v in r.items() if not wall_clock(k)} for r in rows]
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         assert re.search(rf"http://127\.0\.0\.1:\d+ \(dead, log {re.escape(str(log))}\)", line), line
         assert urls[0] not in line, line  # rank 0's engine did not fail: not named
         assert "rollout.sglang.no_engine_timeout_s" in line, line
-        failed_at = int(re.search(r"update (\d+): the rollout engines failed", line).group(1))
+        failed_at = int(re.search(r"update (\d+): the rollout's engines failed", line).group(1))
         assert 2 <= failed_at < STEPS and _rows(run) == failed_at, (failed_at, _rows(run))
         saved = run / "checkpoints" / f"step_{failed_at:08d}"
         assert f"checkpoint {saved} holds the {failed_at} finished updates" in line, line
@@ -141,19 +141,19 @@ def _rank_dies_before_eval(rank, world, cfgs, stop):  # noqa: ARG001
     """Rank 1 kills its own server (the stop file) right before the evaluation after update 1 and
     waits until it is gone, so the engine fails inside that evaluation, on rank 1 only."""
     if rank == 1:
-        from megapkl.eval.hook import Evaluator
+        from megapkl.train.evaluation import Evaluator
 
-        original = Evaluator.after_update
+        original = Evaluator.run
 
-        def after_update(self, u):
-            if u == 1:
+        def run(self, version):
+            if version == 2:
                 stop.touch()
                 deadline = time.monotonic() + 60
                 while not Path(str(stop) + ".dead").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-            return original(self, u)
+            return original(self, version)
 
-        Evaluator.after_update = after_update
+        Evaluator.run = run
     return _rank(rank, world, cfgs)
 
 

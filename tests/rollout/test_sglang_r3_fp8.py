@@ -155,6 +155,7 @@ def fp8_setup(tmp_path_factory):
     """An FP8 `megapkl serve` worker (--quantization fp8) and an SGLangEngine with rollout.fp8,
     shared by the FP8 tests of this module."""
     from megapkl.config import load_config
+    from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     tmp = tmp_path_factory.mktemp("fp8")
@@ -166,7 +167,7 @@ def fp8_setup(tmp_path_factory):
             "rollout.engine=sglang", "rollout.fp8=true", f"run_dir={tmp / 'run'}",
             f"rollout.sglang.urls={json.dumps(cluster.worker_urls)}",
             "rollout.sglang.bucket_mb=0.1"])  # several buckets per sync
-        engine = build_sglang_engine(cfg, _hf(spec))
+        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)))
         yield engine, cluster.worker_urls[0], _hf(spec)
         engine.close()
     finally:

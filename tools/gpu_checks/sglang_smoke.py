@@ -31,14 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def config(args) -> SimpleNamespace:
-    """The few run-config fields build_sglang_engine reads, with the defaults of rollout.sglang."""
+    """The rollout section build_sglang_engine reads, with the defaults of rollout.sglang."""
     from megapkl.config.sections import SGLangConfig
 
     sg = SGLangConfig(use_router=False, mem_fraction_static=0.5, health_first_wait_s=10.0,
                       health_interval_s=5.0, startup_timeout_s=900.0, base_port=args.port)
-    rollout = SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
-    model = SimpleNamespace(hf_checkpoint=args.model, dtype="bf16", routing_replay=False)
-    return SimpleNamespace(rollout=rollout, model=model, run_dir=args.out, name="sglang_smoke")
+    return SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
 
 
 def main() -> None:
@@ -53,12 +51,14 @@ def main() -> None:
     from megapkl.rollout.embedded import iter_safetensors
     from megapkl.rollout.engine import SamplingParams
     from megapkl.rollout.sample import PromptItem
+    from megapkl.rollout.factory import EngineContext
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     hf_config = json.loads((Path(args.model) / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(args.model)
-    cfg = config(args)
-    engine = build_sglang_engine(cfg, hf_config, tokenizer=tok)
+    ctx = EngineContext(hf_config=hf_config, work_dir=Path(args.out), seed=0,
+                        hf_checkpoint=args.model)
+    engine = build_sglang_engine(config(args), ctx, tokenizer=tok)
     weights = [(n, t.to("cuda")) for n, t in iter_safetensors(args.model)]
     prompts = [PromptItem(tok(p, return_tensors="pt").input_ids[0], text=p)
                for p in ("1 + 1 =", "The capital of France is", "def fib(n):")]

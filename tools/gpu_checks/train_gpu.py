@@ -212,11 +212,13 @@ def main(argv=None) -> int:
     start_single_process(args.device)
     from megapkl.models.optimizer import main_params
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
     t_start = time.perf_counter()
     run_dir = tempfile.mkdtemp(prefix="megapkl_gpu_check_")
     cfg = run_config(args, run_dir)
-    trainer = Trainer(cfg)
+    context = RunContext().__enter__()  # closed at the end of main: the engine, the lock
+    trainer = Trainer(cfg, context)
     learner = trainer.learner
     probe = Probe(learner)
     if args.device == "cuda":
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
         weight_export_s=round(export_s, 3),
         total_s=round(time.perf_counter() - t_start, 1),
     )
+    context.__exit__(None, None, None)
     ok = all(c["ok"] for c in res["checks"].values())
     res["ok"] = ok
     print(json.dumps(res), flush=True)

@@ -38,11 +38,11 @@ def sync_settings(sg: Any, urls: Sequence[str] = ()) -> SyncSettings:
                         group_address=this_node() if remote else local_address(sg.host))
 
 
-def _model_path(cfg: Any, hf_config: dict, work: Path) -> tuple[str, bool]:
+def _model_path(ctx: Any, hf_config: dict, work: Path) -> tuple[str, bool]:
     """(model path for the servers, whether they start from dummy weights): the HF checkpoint when
     there is one, else a config-only directory (the trainer pushes every weight before use)."""
-    if cfg.model.hf_checkpoint:
-        return str(cfg.model.hf_checkpoint), False
+    if ctx.hf_checkpoint:
+        return str(ctx.hf_checkpoint), False
     path = work / "model"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config, indent=1))
@@ -59,16 +59,17 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
             f.result()
 
 
-def launch_fleet(cfg: Any, hf_config: dict, work: Path, replica: int = 0) -> Fleet:
+def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, replica: int = 0) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
-    everything started is stopped and LaunchError names the server and its log."""
-    sg, health = cfg.rollout.sglang, health_settings(cfg.rollout.sglang)
-    model_path, dummy = _model_path(cfg, hf_config, work)
+    everything started is stopped and LaunchError names the server and its log. `ctx`: the
+    engine context (megapkl.rollout.factory.EngineContext)."""
+    sg, health = rollout.sglang, health_settings(rollout.sglang)
+    model_path, dummy = _model_path(ctx, hf_config, work)
 
     def make_cmd(host: str, port: int) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
-                              fp8=cfg.rollout.fp8, kv_cache_dtype=cfg.rollout.kv_cache_dtype,
-                              routed_experts=cfg.model.routing_replay,
+                              fp8=rollout.fp8, kv_cache_dtype=rollout.kv_cache_dtype,
+                              routed_experts=ctx.routing_replay,
                               context_length=sg.context_length, dummy_weights=dummy)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
@@ -113,19 +114,19 @@ def connect_fleet(sg: Any) -> Fleet:
     return fleet
 
 
-def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
-                        transform: Optional[Transform] = None,
-                        run_dir: Optional[Path] = None, replica: int = 0,
-                        replicas: int = 1) -> SGLangEngine:
-    """The engine of trainer replica `replica` of `replicas` (data-parallel leaders): with several,
-    each launches its own fleet, logs and exports under <run_dir>/sglang/replica<r>/."""
-    sg = cfg.rollout.sglang
-    hf_config = {**hf_config, "torch_dtype": "float32" if cfg.model.dtype == "fp32" else "bfloat16"}
-    work = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}") / "sglang"
-    if replicas > 1:
-        work = work / f"replica{replica}"
-    fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work, replica)
-    if transform is None and cfg.rollout.fp8:  # FP8 engines never receive a plain linear weight
+def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
+                        transform: Optional[Transform] = None) -> SGLangEngine:
+    """The engine of `rollout.sglang` for the engine context `ctx`
+    (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.replicas` (data-parallel
+    leaders); with several, each launches its own fleet, logs and exports under
+    <run_dir>/sglang/replica<r>/."""
+    sg = rollout.sglang
+    hf_config = {**ctx.hf_config, "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
+    work = Path(ctx.work_dir) / "sglang"
+    if ctx.replicas > 1:
+        work = work / f"replica{ctx.replica}"
+    fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, ctx.replica)
+    if transform is None and rollout.fp8:  # FP8 engines never receive a plain linear weight
         from megapkl.rollout.fp8 import sync_transform
 
         transform = sync_transform()

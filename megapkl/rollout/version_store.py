@@ -23,10 +23,12 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
+from megapkl.errors import MegapklError
+
 _FILE = re.compile(r"^v(\d{8})\.safetensors$")
 
 
-class VersionStoreError(RuntimeError):
+class VersionStoreError(MegapklError, RuntimeError):
     """A needed policy version is missing or unreadable; the message names the file."""
 
 
