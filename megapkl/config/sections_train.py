@@ -70,14 +70,23 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """Verifier reward: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
+    """How responses are scored: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
 
     `type` unset follows the data: 'synthetic' for a synthetic task, else 'math' (boxed answer).
+    'python': `function` ("package.module:callable") scores each prompt group in a worker process;
+    'http': a reward server at `url` does (docs/experiments.md). `timeout_s` bounds one answer
+    (math: per response; python, http: per group and request). A user reward that fails either
+    stops the run (`on_error: fail`) or scores its group `incorrect` (logged, `reward/errors`).
     """
 
-    type: Optional[Literal["math", "synthetic"]] = None
+    type: Optional[Literal["math", "synthetic", "python", "http"]] = None
     correct: float = 1.0
     incorrect: float = -1.0
+    function: Optional[str] = None  # type python: "package.module:callable"
+    url: Optional[str] = None  # type http: the reward server's endpoint (http:// or https://)
+    timeout_s: float = field(default=10.0, metadata=rng(0.0, lo_open=True))
+    max_retries: int = field(default=2, metadata=rng(0))  # type http: after a failed request
+    on_error: Literal["fail", "incorrect"] = "fail"
 
     def check(self, err) -> None:
         for name in ("correct", "incorrect"):  # NaN/Inf would pass the comparison below
@@ -86,6 +95,18 @@ class RewardConfig:
         if self.correct <= self.incorrect:
             err(f"must be > reward.incorrect ({self.incorrect}), got {self.correct}", "correct",
                 "incorrect")
+        if self.type == "python" and not _DOTTED.match(self.function or ""):
+            err(f"reward type python needs a function 'package.module:callable', got "
+                f"{self.function!r}", "function")
+        if self.type != "python" and self.function is not None:
+            err("is read by reward.type: python only", "function", "type")
+        if self.type == "http" and not re.match(r"^https?://\S+$", self.url or ""):
+            err(f"reward type http needs the reward server's http(s) URL, got {self.url!r}", "url")
+        if self.type != "http" and self.url is not None:
+            err("is read by reward.type: http only", "url", "type")
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 @dataclass

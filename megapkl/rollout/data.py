@@ -78,7 +78,9 @@ def _record_from_row(row: Any, prompt_key: str, answer_key: Optional[str], where
             raise DataError(f"{where}: answer '{answer_key}' must be a string or a number, got "
                             f"{type(answer).__name__}")
         answer = str(answer)
-    return PromptRecord(prompt, answer, source=source, line=line)
+    used = {prompt_key.split(".")[0], *([answer_key.split(".")[0]] if answer_key else [])}
+    extra = {k: v for k, v in row.items() if k not in used}  # for user rewards ("fields")
+    return PromptRecord(prompt, answer, source=source, line=line, extra=extra)
 
 
 class _Collector:
@@ -136,8 +138,7 @@ def read_parquet(path: str, prompt_key: str = "prompt", answer_key: Optional[str
     if missing and on_error == "raise":
         raise DataError(f"{path}:row 1: missing column(s) {missing} (columns: {table.column_names})")
     out = _Collector(on_error)
-    columns = [c for c in table.column_names if c in top]
-    for i, row in enumerate(table.select(columns).to_pylist(), start=1):
+    for i, row in enumerate(table.to_pylist(), start=1):
         out.add(lambda row=row, i=i: _record_from_row(row, prompt_key, answer_key,
                                                       f"{path}:row {i}", path, i))
     return out.records, out.errors
@@ -227,7 +228,7 @@ class PromptDataset:
     def _make_item(self, rec: PromptRecord) -> PromptItem:
         text, has_specials = render_prompt(rec.prompt, self.template, self.tokenizer)
         ids = encode(self.tokenizer, text, add_special_tokens=not has_specials)
-        meta = {"source": rec.source, "line": rec.line, "problem": rec.prompt, **rec.extra}
+        meta = {"source": rec.source, "line": rec.line, "problem": rec.prompt, "fields": rec.extra}
         return PromptItem(ids, text=text, answer=rec.answer, metadata=meta)
 
     @property

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
 from megapkl.train.agree import RanksFailed, agreed
@@ -213,18 +214,19 @@ class Trainer:
     def rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         """Reward, accuracy, staleness, lengths and throughput of this update's minibatch (global)."""
         samples, device = minibatch, self.groups.device
-        correct = self.rollouts.reward.correct
+        correct = self.rollouts.correct
         stale = [plan.update - s.version for s in samples]
         tokens = sum(s.response_len for s in samples)
+        failed = sum(ERROR_KEY in s.metadata for s in samples)  # user reward, on_error: incorrect
         vec = torch.tensor([len(samples), sum(s.reward for s in samples),
-                            sum(s.reward == correct for s in samples), sum(stale), tokens],
+                            sum(s.reward == correct for s in samples), sum(stale), tokens, failed],
                            dtype=torch.float64, device=device)
         top = torch.tensor([max(stale, default=0)], dtype=torch.float64, device=device)
         if self.groups.dp_size > 1:
             dist.all_reduce(vec, group=self.groups.dp)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        n, reward, right, stale_sum, tok = vec.cpu().tolist()
-        out = {"reward/mean": reward / n, "train/accuracy": right / n,
+        n, reward, right, stale_sum, tok, failed = vec.cpu().tolist()
+        out = {"reward/mean": reward / n, "train/accuracy": right / n, "reward/errors": failed,
                "staleness/mean": stale_sum / n, "staleness/max": float(top.item()),
                "response_len/mean": tok / n,
                "tokens_per_s": tok / max(self.timers.totals["train"], 1e-9)}

@@ -65,21 +65,23 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
             f"data-parallel size ({replica.dp_size}) x rollout.minibatches_per_batch "
             f"({r.minibatches_per_batch}) so every rank holds whole prompt groups")
     tokenizer, dataset, task = build_tokenizer_and_data(cfg.model, cfg.data, r.max_prompt_len)
-    reward = hold(build_reward(cfg.reward, cfg.data, tokenizer, task))
     writer = not dist.is_initialized() or dist.get_rank() == 0
     store = VersionStore(Path(cfg.run_dir) / "policy_versions", writer=writer)
-    engine = None
-    if replica.leader:
+    engine = reward = None
+    if replica.leader:  # the replica's other ranks get the scored samples from it
+        reward = hold(build_reward(cfg.reward, cfg.data, tokenizer, task))
         engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=cfg.model.routing_replay)
-    return RolloutStage(r, cfg.advantage, data=cfg.data, seed=cfg.seed, tokenizer=tokenizer,
+    return RolloutStage(r, cfg.advantage, data=cfg.data, correct=cfg.reward.correct, seed=cfg.seed,
+                        tokenizer=tokenizer,
                         dataset=dataset, reward=reward, store=store, engine=engine,
                         sampling=sampling, replica=replica, timers=timers)
 
 
 class RolloutStage:
-    def __init__(self, rollout: Any, advantage: Any, *, data: Any, seed: int, tokenizer: Any,
+    def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
+                 tokenizer: Any,
                  dataset: Any, reward: Any, store: VersionStore, engine: Any,
                  sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None
                  ) -> None:
@@ -87,6 +89,7 @@ class RolloutStage:
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
         self.tokenizer, self.dataset, self.reward = tokenizer, dataset, reward
+        self.correct = correct  # the reward `train/accuracy` counts (reward.correct)
         self.store, self.engine, self.sampling, self.replica = store, engine, sampling, replica
         self.timers = timers or Timers()
         self.prompts = PromptIterator(len(dataset), seed=data.seed, shuffle=data.shuffle)
