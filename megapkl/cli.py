@@ -69,10 +69,12 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides)
+    from megapkl import runlog
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
 
     preflight(cfg)  # a missing resume checkpoint or a run directory in use: before any rank starts
+    runlog.attach(cfg.run_dir)
     train_local(cfg)
     return 0
 
@@ -86,9 +88,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds."""
     path = demo_config_path()
     _load(path, args.overrides)  # a bad override is a config error before anything starts
+    from megapkl import runlog
     from megapkl.analysis.demo import run_demo
 
-    run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    runs = run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    runlog.attach(runs[0])  # what this process held (the ranks wrote theirs there already)
     return 0
 
 
@@ -136,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megapkl", description="Off-policy RL post-training "
                                      "of LLMs on megatron-core (Proximal KL, GRPO, SIS, TETPO, ...).")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error "
-                        "(also accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
+                        "and other libraries' warnings (otherwise in the run's megapkl.log; also "
+                        "accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     config = sub.add_parser("config", help="show or validate run configs")
@@ -247,6 +252,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("MEGAPKL_DEBUG", "") not in ("", "0")
+    if not debug:  # other libraries' warnings: into the run's megapkl.log, not the terminal
+        from megapkl import runlog
+
+        runlog.quiet()
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -82,6 +82,9 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
                                      summarize_records, write_results)
 
     run, ckpt = find_run(Path(target), step)
+    from megapkl import runlog
+
+    runlog.attach(run)  # other libraries' warnings: into the run's megapkl.log
     cfg = load_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS])
     ckpt = resolve_checkpoint(cfg, run, ckpt, step)
     version = json.loads((ckpt / "complete").read_text())["step"]

@@ -183,11 +183,10 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics output (SPEC section 9 names); curves smoothed with EMA alpha (SPEC 11: 0.10)."""
+    """Metrics output (SPEC section 9 names): every update's row goes to <run_dir>/metrics.jsonl,
+    and to TensorBoard and W&B when on; curves smoothed with EMA alpha (SPEC 11: 0.10)."""
 
-    jsonl: bool = True
     tensorboard: bool = False
-    every: int = field(default=1, metadata=rng(1))
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
     progress_bar: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -202,7 +201,7 @@ class CheckpointConfig:
     every: int = field(default=100, metadata=rng(0))
     keep: Optional[int] = field(default=3, metadata=rng(1))
     resume: Union[bool, str] = False
-    export_hf: bool = False  # also write a HF-format copy of the final weights
+    export_hf: bool = False  # at the end, also write the final weights as HF safetensors (<dir>/hf)
 
     def check(self, err) -> None:
         if isinstance(self.resume, str) and not self.resume.strip():

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl import runlog
 from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
@@ -88,6 +89,7 @@ class Trainer:
         self.groups = g = init_groups(cfg)
         self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
         context.lock(self.run_dir)  # before anything is launched
+        runlog.attach(self.run_dir)  # other libraries' warnings: into the run's megapkl.log
         self.schedule = Schedule.from_config(cfg)
         self.loop = LoopState(minibatches=cfg.rollout.minibatches_per_batch, dp_rank=g.dp_rank,
                               dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
@@ -206,7 +208,7 @@ class Trainer:
             yield
         except RanksFailed as exc:
             if row is not None:
-                self.logger.log(finished - 1, row)
+                self.log(finished - 1, row)
             kind = EnginesStopped if exc.outage else RunStopped
             raise kind(f"update {finished - (row is not None)}: {exc}; "
                        + self.checkpoints.save_finished(finished)) from None
@@ -242,13 +244,20 @@ class Trainer:
 
     def end_update(self, u: int) -> bool:
         """After update u: save when a checkpoint is due or the run stops (a signal or a
-        preemption on any rank, asked in one collective); True to stop."""
+        preemption on any rank, asked in one collective); True to stop. After the last update,
+        checkpoint.export_hf also writes the final weights in Hugging Face format."""
         more = u + 1 < self.cfg.train.steps  # a preempted last update: done, nothing to requeue
         stop = self.context.stop_requested() if more else None
         if stop or self.checkpoints.due(u + 1):
             path = self.checkpoints.save(u + 1)
             if stop:
                 self.context.stop(stop, u, path)  # a preemption requeues (never returns)
+        if not more and self.cfg.checkpoint.export_hf:
+            from megapkl.models.hf import save_hf_checkpoint
+
+            with self.timers("checkpoint"):  # collective; rank 0 writes
+                save_hf_checkpoint(self.learner.model, Path(self.cfg.checkpoint.dir) / "hf",
+                                   spec=self.learner.spec, groups=self.groups)
         return stop is not None
 
     # ------------------------------------------------------------------ construction
