@@ -67,8 +67,11 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
             self._wandb = None
+            wandb.teardown()  # its service process ends with the run, not with the interpreter
 
 
 def start_wandb(cfg: Any, run_dir: Path, run_name: str):

@@ -72,3 +72,5 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the lock
             self._fd = None
+
+    close = release  # the run context closes what it holds
