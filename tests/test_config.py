@@ -272,10 +272,19 @@ def test_resolution_fills_derived_defaults():
 
 
 def test_world_size_with_dedicated_sglang_gpus():
-    cfg = config_from_dict({"data": {"train_path": "x.jsonl"},
-                            "slurm": {"nodes": 1, "gpus_per_node": 8},
-                            "rollout": {"sglang": {"colocate": False, "tp": 2, "num_engines": 2}}})
-    assert cfg.world_size == 4 and cfg.parallel.data == 4
+    """colocate false: every data-parallel replica has num_engines x tp GPUs of its own."""
+    def cfg(sg, **par):
+        return config_from_dict({"data": {"train_path": "x.jsonl"}, "parallel": par,
+                                 "slurm": {"nodes": 1, "gpus_per_node": 8},
+                                 "rollout": {"engine": "sglang",
+                                             "sglang": {"colocate": False, **sg}}})
+
+    c = cfg({"tp": 1, "num_engines": 1})
+    assert c.world_size == 4 and c.parallel.data == 4
+    c = cfg({"tp": 2, "num_engines": 1}, tensor=2)
+    assert c.world_size == 4 and c.parallel.data == 2
+    with pytest.raises(ConfigError, match="rollout.sglang.num_engines.*do not add up"):
+        cfg({"tp": 2, "num_engines": 2})
 
 
 def test_moe_detection():

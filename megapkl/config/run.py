@@ -57,13 +57,16 @@ class RunConfig:
 
     @property
     def world_size(self) -> Optional[int]:
-        """Trainer ranks when the job shape is known: Slurm GPUs minus dedicated SGLang GPUs."""
+        """Trainer ranks when the job shape is known: Slurm GPUs minus dedicated SGLang GPUs
+        (with `colocate: false` every data-parallel replica has `num_engines x tp` of its own)."""
         total = self.slurm.total_gpus
         if total is None:
             return None
-        sg = self.rollout.sglang
-        dedicated = sg.gpus if self.rollout.engine == "sglang" and not sg.colocate else 0
-        return total - dedicated
+        sg, mp = self.rollout.sglang, self.parallel.model_parallel_size
+        if self.rollout.engine != "sglang" or sg.colocate or sg.urls:
+            return total
+        replicas = self.parallel.data_size(None) or total // (mp + sg.gpus)
+        return replicas * mp
 
     def resolve(self) -> "RunConfig":
         """A copy with every derived default filled in (idempotent)."""
@@ -116,12 +119,19 @@ def _check_world(cfg: RunConfig, err) -> None:
     if world is None:
         return
     where = f"slurm.nodes x slurm.gpus_per_node = {cfg.slurm.nodes} x {cfg.slurm.gpus_per_node}"
+    mp = f"{par.tensor} x {par.pipeline} x {par.context}"
     if world != cfg.slurm.total_gpus:
         where += f" minus {cfg.slurm.total_gpus - world} dedicated SGLang GPUs"
     if world < 1:
         err(f"no GPUs left for the trainer ({where})", "rollout.sglang.num_engines",
             "slurm.nodes", "slurm.gpus_per_node")
-    mp = f"{par.tensor} x {par.pipeline} x {par.context}"
+    sg = cfg.rollout.sglang
+    dedicated = cfg.rollout.engine == "sglang" and not sg.colocate and not sg.urls
+    if dedicated and world // par.model_parallel_size * sg.gpus + world != cfg.slurm.total_gpus:
+        err(f"{world // par.model_parallel_size} data-parallel replicas x (trainer {mp} + "
+            f"dedicated SGLang num_engines x tp = {sg.num_engines} x {sg.tp}) GPUs do not add "
+            f"up to slurm.nodes x slurm.gpus_per_node = {cfg.slurm.total_gpus}",
+            "rollout.sglang.num_engines", "parallel.data", "slurm.nodes")
     if isinstance(par.data, int):
         if par.data * par.model_parallel_size != world:
             err(f"data x tensor x pipeline x context = {par.data} x {mp} = "

@@ -185,8 +185,9 @@ class SGLangConfig:
 
     tp: int = field(default=1, metadata=rng(1))  # tensor parallel size of one engine
     ep: int = field(default=1, metadata=rng(1))  # expert parallel size inside an engine (MoE)
+    # Servers per data-parallel replica of the trainer (each replica's leader runs its own fleet).
     num_engines: int = field(default=1, metadata=rng(1))
-    # Engines share the trainer's GPUs; false gives them num_engines x tp GPUs of their own.
+    # Engines share their replica's GPUs; false gives each replica num_engines x tp GPUs of its own.
     colocate: bool = True
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
     mem_fraction_static: float = field(default=0.8, metadata=rng(0.0, 1.0, lo_open=True))

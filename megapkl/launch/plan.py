@@ -16,7 +16,12 @@ micro-batches of activations; the last stage holds the output layer):
   (8 bytes per element) and the bf16 logits (2), s b V / t elements;
 - colocated SGLang engines hold `mem_fraction_static` of the GPU while generating; the trainer's
   parameters, gradients and optimizer state stay resident then (activations are free), so that
-  phase is checked too.
+  phase is checked too. Servers megapkl launches colocated hand their memory back while the
+  trainer trains (SGLang's memory saver, `releases_memory`); colocated servers it only connects
+  to (`rollout.sglang.urls`) keep it, and count in the training phase as well.
+
+The SGLang fleet (`check_fleet`): each data-parallel replica's `num_engines` servers of `tp` GPUs
+must fit the GPUs placement.py gives them in the job; the error names the keys.
 
 FLOPs per update: 6 N T for the policy forward + backward plus 2 N T for each extra forward (the
 proximal reference and the initial model when their log-probs are recomputed), plus causal
@@ -100,10 +105,16 @@ class Plan:
     mfu: float
     layout: Layout
     gpus: int
+    servers: str = ""  # the SGLang fleet, one line (empty without launched SGLang servers)
+    engine_gib: float = 0.0  # one SGLang server's share of a GPU (mem_fraction_static)
+    engine_weights_gib: float = 0.0  # the served weights per GPU of a server
 
     @property
     def fits(self) -> bool:
-        return self.gpu_gib is None or max(self.train_gib, self.rollout_gib) <= self.gpu_gib
+        if self.gpu_gib is None:
+            return True
+        return (max(self.train_gib, self.rollout_gib) <= self.gpu_gib
+                and self.engine_weights_gib <= self.engine_gib)
 
     def table(self) -> str:
         lay = self.layout
@@ -120,6 +131,12 @@ class Plan:
         else:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(f"  {'GPU memory':<{w}}{self.gpu_gib:>8.1f}  -> {verdict}")
+        if self.servers:
+            lines.append(self.servers)
+        if self.engine_gib and self.engine_weights_gib:
+            ok = "fits" if self.engine_weights_gib <= self.engine_gib else "DOES NOT FIT"
+            lines.append(f"SGLang weights per GPU {self.engine_weights_gib:.2f} GiB of the "
+                         f"server's {self.engine_gib:.2f} (mem_fraction_static) -> {ok}")
         lines.append(f"model FLOPs per update: {self.flops:.3e}")
         if self.step_s is not None:
             lines.append(f"step time at MFU {self.mfu:.2f}: {self.step_s:.1f} s")
@@ -201,19 +218,84 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU) -> Plan:
     sg = cfg.rollout.sglang
     engines = sg.mem_fraction_static * gpu if (cfg.rollout.engine == "sglang" and sg.colocate
                                                 and gpu is not None) else 0.0
+    from megapkl.rollout.sglang.launch import releases_memory
+
+    if engines and not releases_memory(sg):  # never handed back: there while training too
+        rows.append(("colocated SGLang servers (memory not released)", engines))
+        train += engines
     gpus = lay.tp * lay.pp * lay.cp * lay.dp
     flops = update_flops(cfg, spec)
     peak = getattr(profile, "gpu_tflops", None) if profile is not None else None
     step = flops / (gpus * peak * 1e12 * mfu) if peak else None
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
-                flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus)
+                flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
+                servers=fleet_line(cfg), **_engine_memory(cfg, spec, gpu))
+
+
+def _engine_memory(cfg, spec, gpu: Optional[float]) -> dict[str, float]:
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sg.urls or gpu is None:
+        return {}
+    return {"engine_gib": sg.mem_fraction_static * gpu,
+            "engine_weights_gib": served_weight_bytes(spec, cfg.rollout.fp8) / sg.tp / GIB}
+
+
+def served_weight_bytes(spec, fp8: bool) -> float:
+    """Bytes of the weights an SGLang server holds in all: BF16, or under rollout.fp8 one byte
+    per linear-layer parameter (embeddings, lm_head, norms and routers stay BF16)."""
+    total = total_params(spec)
+    if not fp8:
+        return 2.0 * total
+    emb = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return 2.0 * emb + 1.0 * (total - emb)
+
+
+def fleet_line(cfg) -> str:
+    from megapkl.config.typed import ConfigError
+
+    try:
+        return check_fleet(cfg)
+    except ConfigError as exc:
+        return f"SGLang: DOES NOT FIT: {exc}"
+
+
+def check_fleet(cfg, source: str = "") -> str:
+    """One line on the SGLang servers megapkl will launch for `cfg` (empty when it launches none
+    or the job shape is unknown); ConfigError naming the keys when they do not fit the job."""
+    from megapkl.config.typed import ConfigError
+    from megapkl.rollout.sglang.placement import PlacementError, TrainerLayout, check_fleets
+
+    sg, par, slurm = cfg.rollout.sglang, cfg.parallel, cfg.slurm
+    world = cfg.world_size
+    if cfg.rollout.engine != "sglang" or sg.urls or sg.server_command or world is None:
+        return ""
+    if sg.colocate and sg.weight_sync == "distributed":
+        raise ConfigError("distributed with colocate true: the trainer's NCCL rank and a "
+                          "server's would share a GPU, which NCCL refuses; use tensor or disk, "
+                          "or rollout.sglang.colocate false", key="rollout.sglang.weight_sync",
+                          source=source)
+    if world % slurm.nodes:
+        raise ConfigError(f"{world} trainer ranks do not split evenly over {slurm.nodes} nodes "
+                          "(rollout.sglang.num_engines, rollout.sglang.tp)", key="slurm.nodes",
+                          source=source)
+    dp = world // par.model_parallel_size
+    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=dp,
+                        per_node=world // slurm.nodes)
+    try:
+        check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=lay,
+                     nodes=slurm.nodes, gpus_per_node=slurm.gpus_per_node)
+    except PlacementError as exc:  # the message names the keys
+        raise ConfigError(str(exc), source=source) from None
+    where = "colocated on the replicas' GPUs" if sg.colocate else "on GPUs of their own"
+    return (f"SGLang: {dp} replicas x {sg.num_engines} servers (rollout.sglang.num_engines) of "
+            f"{sg.tp} GPU(s) = {dp * sg.num_engines} servers on {dp * sg.num_engines * sg.tp} "
+            f"GPUs, {where}")
 
 
 def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
                 mfu: float = DEFAULT_MFU) -> Plan:
     """Plan a run config file with a profile (default: its slurm.profile), the job shape filled in
     as `megapkl submit` does; without any profile, the layout alone (no fit verdict)."""
-    import dataclasses as dc
     from pathlib import Path
 
     from megapkl.launch import submit as sub
@@ -222,10 +304,8 @@ def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
     overrides = list(overrides)
     prep = prepare_run(config, overrides, cwd=Path.cwd())
     if not (profile or prep.cfg.slurm.profile):
+        check_fleet(prep.cfg, prep.config_path)
         return plan(prep.cfg, None, mfu)
-    prof = sub.job_profile(prep, profile)
-    extra = sub.shape_overrides(prep, prof, profile or prep.cfg.slurm.profile)
-    if extra:
-        prep = dc.replace(prepare_run(config, overrides + extra, cwd=Path.cwd()),
-                          overrides=overrides)
+    prep, prof = sub.settle_shape(config, overrides, profile, cwd=Path.cwd())
+    check_fleet(prep.cfg, prep.config_path)
     return plan(prep.cfg, prof, mfu)

@@ -9,10 +9,16 @@ on preemption (submitit's `job._interrupt()` does the same). Each task only reco
 entry point calls `ctx.preempt_requested()` at every step boundary; it is a collective (one tiny
 all-reduce) so all ranks agree on the same step. When it returns True, the entry point saves a
 checkpoint (collectively) and calls `ctx.requeue()`, which never returns: rank 0 requeues the Slurm
-job (`scontrol requeue`) and every rank exits without a result, so submitit keeps waiting and the
-requeued job starts again with `cfg.checkpoint.resume = True` and `ctx.restart_count` + 1.
+job and every rank exits without a result, so submitit keeps waiting and the requeued job starts
+again with `cfg.checkpoint.resume = True` and `ctx.restart_count` + 1.
 An entry point that never polls still gets requeued: `preempt_grace_s` after the signal a watchdog
-requeues the job from rank 0 (it then resumes from its last periodic checkpoint).
+requeues the job from rank 0 and exits it (srun's --kill-on-bad-exit then ends the other ranks);
+the job resumes from its last periodic checkpoint.
+
+Who runs `scontrol requeue`: jobs submitted by megapkl (submitit) export MEGAPKL_REQUEUE_DIR; rank
+0 leaves a request file there and the batch script, on the host, requeues the job once every task
+has exited (`host_requeue_lines`). Tasks then need no Slurm client, which container images do not
+ship. Without it (plain sbatch/srun launches) rank 0 runs `scontrol requeue` itself.
 
 torch is imported inside functions only (the launcher's modules import without it).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,12 +188,35 @@ def _watchdog(ctx: LaunchContext, flag: _PreemptFlag, grace_s: float) -> None:
             os._exit(3)
 
 
+REQUEUE_DIR_ENV = "MEGAPKL_REQUEUE_DIR"
+
+
 def requeue_job(job_id: str, restart_count: int, max_requeues: int) -> None:
     if restart_count >= max_requeues:
         raise RequeueLimitError(_limit_message(job_id, restart_count, max_requeues))
     print(f"[megapkl.launch] requeueing job {job_id} (restart {restart_count + 1})",
           file=sys.stderr, flush=True)
+    folder = os.environ.get(REQUEUE_DIR_ENV)
+    if folder:  # the batch script requeues from the host when the tasks have exited
+        slurm_id = os.environ.get("SLURM_JOB_ID") or job_id
+        (Path(folder) / f"requeue.{slurm_id}").write_text(job_id + "\n")
+        return
+    if shutil.which("scontrol") is None:
+        raise RuntimeError(f"cannot requeue job {job_id}: no Slurm client (scontrol) in this task "
+                           f"and no {REQUEUE_DIR_ENV} for the batch script to requeue it from the "
+                           "host (megapkl submit sets it up)")
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+
+
+def host_requeue_lines(folder: Path) -> tuple[list[str], list[str]]:
+    """(setup, teardown) lines of a batch script: export the request folder to the tasks; after
+    srun, requeue the job from the host if a task asked for it."""
+    import shlex
+
+    request = f'"${REQUEUE_DIR_ENV}/requeue.$SLURM_JOB_ID"'
+    return ([f"export {REQUEUE_DIR_ENV}={shlex.quote(str(folder))}"],
+            [f"if [ -e {request} ]; then rm -f {request}; "
+             f'scontrol requeue "$SLURM_JOB_ID"; fi'])
 
 
 def _limit_message(job_id: str, restart_count: int, max_requeues: int) -> str:

@@ -92,8 +92,12 @@ def job_profile(prep: PreparedRun, profile: Optional[str]) -> ClusterProfile:
     return prof.with_job(job, source=prep.config_path, key_names=back) if job else prof
 
 
-def sbatch_parameters(prof: ClusterProfile, job_name: str) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (native names) for a job on `prof`."""
+def sbatch_parameters(prof: ClusterProfile, job_name: str,
+                      folder: Optional[Path] = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (native names) for a job on `prof`; with the submitit
+    `folder`, the batch script requeues the job from the host when a task asks for it
+    (runtime.host_requeue_lines: tasks in a container have no Slurm client), and srun ends every
+    task when one exits with an error (a rank the preemption watchdog stops, a crashed rank)."""
     p: dict[str, Any] = {
         "job_name": job_name,
         "partition": prof.partition,
@@ -114,9 +118,15 @@ def sbatch_parameters(prof: ClusterProfile, job_name: str) -> dict[str, Any]:
     if prof.exclusive:
         p["exclusive"] = True
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
+    srun_args = list(prof.srun_args)
+    if folder is not None:
+        from megapkl.launch.runtime import host_requeue_lines
+
+        requeue_setup, p["teardown"] = host_requeue_lines(folder)
+        setup += requeue_setup
+        srun_args.insert(0, "--kill-on-bad-exit=1")
     if setup:
         p["setup"] = setup
-    srun_args = list(prof.srun_args)
     c = prof.container
     if c is not None and c.runtime == "pyxis":
         srun_args.append(f"--container-image={c.image}")
@@ -253,6 +263,46 @@ def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) 
     return extra
 
 
+def dedicated_tasks_per_node(cfg: Any) -> Optional[int]:
+    """Trainer tasks per node when SGLang servers get GPUs of their own (`colocate: false`): the
+    job asks for every GPU of its nodes but starts fewer tasks; the servers take the rest."""
+    sg, world, nodes = cfg.rollout.sglang, cfg.world_size, cfg.slurm.nodes
+    if cfg.rollout.engine != "sglang" or sg.colocate or sg.urls or world is None:
+        return None
+    return world // nodes if world % nodes == 0 else None
+
+
+def settle_shape(config: str | os.PathLike, overrides: list[str], profile: Optional[str], *,
+                 cwd: Path) -> tuple[PreparedRun, ClusterProfile]:
+    """The run config and its profile with the job shape the profile gives it (shape_overrides),
+    and, with dedicated SGLang GPUs, as many tasks per node as the trainer has ranks there."""
+    prep = prepare_run(config, overrides, cwd=cwd)
+    prof = job_profile(prep, profile)
+    name = profile or prep.cfg.slurm.profile
+    extra = shape_overrides(prep, prof, name)
+    if extra:
+        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
+                                   overrides=overrides)
+    tasks = dedicated_tasks_per_node(prep.cfg) if prof.uses_gpus else None
+    if tasks is not None and "tasks_per_node" not in prep.slurm_explicit:
+        prof = prof.with_job({"tasks_per_node": tasks}, source=prep.config_path,
+                             key_names={"tasks_per_node": "tasks_per_node (trainer ranks per "
+                                                          "node beside dedicated SGLang GPUs)"})
+    return prep, prof
+
+
+def check_container(cfg: Any, prof: ClusterProfile, source: str) -> None:
+    """Dedicated SGLang servers on several nodes are started with `srun --overlap` from inside a
+    task, which a container image (no Slurm client) cannot do: refuse before submitting."""
+    sg = cfg.rollout.sglang
+    if (prof.container is not None and cfg.rollout.engine == "sglang" and not sg.colocate
+            and not sg.urls and prof.nodes > 1):
+        raise ConfigError(f"false starts the SGLang servers on other nodes with srun from inside "
+                          f"a task, and the tasks of profile {prof.name} run in a container "
+                          "without the Slurm client: use colocate true, one node, or a profile "
+                          "without a container", key="rollout.sglang.colocate", source=source)
+
+
 def check_fit(cfg: Any, prof: ClusterProfile) -> None:
     """LaunchError with the planner's table when the run cannot fit the profile's GPUs."""
     if not prof.uses_gpus:
@@ -281,18 +331,17 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
     A run that `megapkl plan` says cannot fit its GPUs is refused unless `force`."""
     cwd = Path(cwd or Path.cwd()).resolve()
     overrides = resume_overrides(list(overrides), if_exists)
-    prep = prepare_run(config, overrides, cwd=cwd)
-    prof = job_profile(prep, profile)
-    extra = shape_overrides(prep, prof, profile or prep.cfg.slurm.profile)
-    if extra:
-        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
-                                   overrides=overrides)
+    prep, prof = settle_shape(config, overrides, profile, cwd=cwd)
     check_entry_importable(entry)
+    from megapkl.launch.plan import check_fleet
+
+    check_fleet(prep.cfg, prep.config_path)  # the servers must fit the job, --force or not
+    check_container(prep.cfg, prof, prep.config_path)
     if not force:
         check_fit(prep.cfg, prof)
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
     folder = prep.run_dir / "submitit"
-    params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name)
+    params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name, folder)
     if dry_run:
         return Submission(None, prep.run_dir, prof, params, spec, sbatch_script(prof, folder, params))
     prepare_run_dir(prep.run_dir, if_exists)

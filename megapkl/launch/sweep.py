@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from megapkl.config.typed import ConfigError
 from megapkl.launch import jobs as jobs_mod
 from megapkl.launch.job import DEFAULT_ENTRY, MegapklJob, check_entry_importable
+from megapkl.launch.plan import check_fleet
 from megapkl.launch.runconfig import prepare_run
 from megapkl.launch.submit import (IfExists, LaunchError, _now, _read_json, _write_json,
                                    job_profile, make_executor, make_spec, prepare_run_dir,
@@ -127,9 +128,10 @@ def sweep(config: str | os.PathLike, profile: Optional[str], grid: Sequence[str]
         extra = shape_overrides(prep, prof, profile or base.cfg.slurm.profile)
         if extra:
             prep = dataclasses.replace(prepare_run(config, own + extra, cwd=cwd), overrides=own)
+        check_fleet(prep.cfg, prep.config_path)
         preps.append(prep)
     folder = sweep_dir / "submitit"
-    params = sbatch_parameters(prof, base.cfg.slurm.job_name or base.name)
+    params = sbatch_parameters(prof, base.cfg.slurm.job_name or base.name, folder)
     out = SweepSubmission(sweep_dir, [SweepElement(i, lab, ov, p.run_dir) for i, ((lab, ov), p)
                                       in enumerate(zip(elements, preps))], None)
     if dry_run:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megapkl.models.chunks import model_chunks
 from megapkl.models import hf_mapping as hm
 from megapkl.models.spec import ModelSpec, SpecError, hf_config_dict, spec_from_hf_config
+from megapkl.parallel.groups import group_device
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -337,6 +338,7 @@ def export_hf_weights(model: Any, *, spec: Optional[ModelSpec] = None, groups: A
     pp_rank = comm.rank(comm.pp)
     shapes = hm.expected_hf_shapes(spec)
     wire_dtype = next(iter(units.values()))[0].tensor.dtype
+    wire_device = group_device(comm.pp) if _Comm.size(comm.pp) > 1 else None
     for unit in _unit_order(spec):
         if owners is None:
             if unit in units:
@@ -346,7 +348,8 @@ def export_hf_weights(model: Any, *, spec: Optional[ModelSpec] = None, groups: A
         if owner == pp_rank:
             produced = _export_unit(spec, units[unit], comm)
         else:
-            produced = ((name, torch.empty(shapes[name], dtype=wire_dtype))
+            # Receive buffers on the pipeline group's device (NCCL: this rank's GPU).
+            produced = ((name, torch.empty(shapes[name], dtype=wire_dtype, device=wire_device))
                         for name in _unit_names(spec, unit, _Comm.size(comm.ep)))
         src = dist.get_global_rank(comm.pp, owner) if comm.pp is not None else 0
         for name, tensor in produced:

@@ -58,6 +58,9 @@ class EngineContext:
     dtype: Any = None
     replica: int = 0
     replicas: int = 1
+    tensor: int = 1                  # the trainer's layout (parallel.*): where launched servers
+    context: int = 1                 # go on the GPUs beside it (rollout/sglang/placement.py)
+    pipeline: int = 1
 
 
 def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
@@ -83,11 +86,13 @@ def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
 def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,
                    replica: int = 0, replicas: int = 1) -> EngineContext:
     """The engine context of a run config for a model's HF config mapping."""
+    p = cfg.parallel
     return EngineContext(hf_config=hf_config, work_dir=Path(cfg.run_dir or f"runs/{cfg.name}"),
                          seed=cfg.seed, model_dtype=cfg.model.dtype,
                          hf_checkpoint=cfg.model.hf_checkpoint,
                          routing_replay=cfg.model.routing_replay, device=device, dtype=dtype,
-                         replica=replica, replicas=replicas)
+                         replica=replica, replicas=replicas, tensor=p.tensor, context=p.context,
+                         pipeline=p.pipeline)
 
 
 def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1

@@ -41,8 +41,23 @@ def test_experiment_is_valid_and_fits_8_gpu_nodes(path: Path) -> None:
                  cp=par.context, vpp=par.virtual_pipeline,
                  sequence_parallel=par.sequence_parallel)
     sg = cfg.rollout.sglang
-    if cfg.rollout.engine == "sglang" and sg.colocate:
-        assert sg.num_engines * sg.tp <= cfg.world_size
+    if cfg.rollout.engine == "sglang":  # each replica's fleet fits the GPUs it is placed on
+        from megapkl.launch.plan import check_fleet
+
+        assert check_fleet(cfg).startswith("SGLang: ")
+        assert par.data * sg.num_engines * sg.tp <= cfg.world_size
+
+
+def test_the_1p7b_pkl_run_starts_one_server_per_gpu() -> None:
+    """num_engines counts the servers of one data-parallel replica: 4 replicas (CP 2 on 8 GPUs)
+    x 2 = 8 servers of 1 GPU, one on every GPU of the node."""
+    from megapkl.rollout.sglang.placement import TrainerLayout, check_fleets
+
+    cfg = load_config(ROOT / "pkl_periodic/qwen3_1p7b_pkl.yaml")
+    par, sg = cfg.parallel, cfg.rollout.sglang
+    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=par.data, per_node=8)
+    fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay)
+    assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
 
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])

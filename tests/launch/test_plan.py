@@ -64,7 +64,8 @@ def test_plan_cli_and_submit_refuses_a_run_that_cannot_fit(capsys, tmp_path):
     assert "-> fits" in out and "model FLOPs per update" in out
     # no tensor/pipeline parallelism: 32B on one GPU's worth of layout cannot fit 80 GB
     big = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
-           "parallel.sequence_parallel=false", f"run_dir={tmp_path / 'r'}"]
+           "parallel.sequence_parallel=false", "rollout.sglang.tp=1",
+           "rollout.sglang.num_engines=1", f"run_dir={tmp_path / 'r'}"]
     assert main(["plan", cfg, *big, "--profile", "h100"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["submit", cfg, *big, "--profile", "h100", "--dry-run"]) == 1
@@ -117,3 +118,33 @@ def test_activation_estimate_within_a_factor_of_two_of_the_cpu_forward(dist_run,
                                        "none", bytes_per=4, flash=False)
     estimate = per_layer * spec.num_layers + seq * spec.padded_vocab_size(1) * 4
     assert 0.5 <= measured / estimate <= 2.0, (measured, estimate)
+
+
+def test_plan_and_submit_check_the_sglang_fleet_against_the_job(capsys, tmp_path):
+    """num_engines servers per data-parallel replica must fit the replica's GPUs: a one-line
+    error naming the keys, from `megapkl plan` and from `megapkl submit` (--force or not)."""
+    cfg = "configs/experiments/pkl_periodic/qwen3_1p7b_pkl.yaml"
+    bad = ["rollout.sglang.num_engines=8", f"run_dir={tmp_path / 'r'}"]
+    assert main(["plan", cfg, "--profile", "h100"]) == 0
+    assert "= 8 servers on 8 GPUs" in capsys.readouterr().out
+    for argv in (["plan", cfg, *bad, "--profile", "h100"],
+                 ["submit", cfg, *bad, "--profile", "h100", "--dry-run", "--force"]):
+        assert main(argv) == 2  # a config error
+        err = capsys.readouterr().err.strip()
+        assert "rollout.sglang.num_engines x rollout.sglang.tp = 8 x 1" in err, err
+        assert len(err.splitlines()) == 1, err
+
+
+def test_dedicated_sglang_gpus_shape_the_job(tmp_path):
+    """colocate false: the job asks for every GPU of its nodes and starts one task per trainer
+    rank; each replica's servers take the GPUs the trainer leaves."""
+    from megapkl.launch.submit import submit
+
+    sub = submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h100",
+                 ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 'r'}"],
+                 entry="megapkl.launch.toy:run", dry_run=True, force=True)
+    assert "#SBATCH --gpus-per-node=8" in sub.script
+    assert "#SBATCH --ntasks-per-node=4" in sub.script
+    p = plan_config("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h100",
+                    ["rollout.sglang.colocate=false"])
+    assert "4 replicas x 1 servers" in p.servers and "on GPUs of their own" in p.servers

@@ -279,3 +279,50 @@ def test_existing_run_directory(tmp_path: Path) -> None:
     assert not (run_dir / "launch.json").exists()
     assert resume_overrides(["seed=1"], "resume") == ["seed=1", "checkpoint.resume=true"]
     assert resume_overrides(["checkpoint.resume=false"], "resume") == ["checkpoint.resume=false"]
+
+
+# ---- the GPU stack and Slurm inside containers
+
+def test_the_container_profile_runs_the_pinned_stack() -> None:
+    """The h200 image is SGLang's CUDA 13 release image of the version pyproject's [gpu] pins
+    (it ships torch 2.14.1, which an NGC PyTorch image of another torch cannot host)."""
+    import re
+
+    pins = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    version = re.search(r'"sglang==([\d.]+)"', pins).group(1)
+    prof = load_profile("h200")
+    assert prof.container is not None and prof.container.runtime == "pyxis"
+    assert prof.container.image == f"lmsysorg/sglang:v{version}-cu130"
+    assert "nvidia/pytorch" not in prof.container.image
+    for name in ("h100", "h200"):  # CUDA 13 wheels: no CUDA 12 module for them
+        assert "cuda/12" not in "".join(load_profile(name).setup)
+
+
+def test_jobs_requeue_from_the_host(tmp_path: Path) -> None:
+    """The batch script exports the request folder, ends every task when one fails, and requeues
+    from the host after srun; a task asks for it without any Slurm client."""
+    sub = submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",
+                 [f"run_dir={tmp_path / 'r'}"], entry=TOY, dry_run=True, force=True)
+    script = sub.script
+    folder = str(tmp_path / "r" / "submitit")
+    assert f"export MEGAPKL_REQUEUE_DIR={folder}" in script
+    srun = next(ln for ln in script.splitlines() if ln.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun and "--container-image=" in srun
+    after = script[script.index(srun) + len(srun):]
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in after  # on the host, after the tasks
+    env = {"PATH": "/nonexistent", "SLURM_JOB_ID": "4242", "MEGAPKL_REQUEUE_DIR": str(tmp_path),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    code = ("from megapkl.launch.runtime import requeue_job; "
+            "requeue_job('4242', restart_count=0, max_requeues=3)")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    assert (tmp_path / "requeue.4242").read_text().strip() == "4242"
+
+
+def test_dedicated_servers_on_several_nodes_need_a_slurm_client(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rollout.sglang.colocate: false starts the SGLang"):
+        submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",
+               ["rollout.sglang.colocate=false", "slurm.nodes=2", f"run_dir={tmp_path / 'r'}"],
+               entry=TOY, dry_run=True, force=True)
+    submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",  # one node: no srun needed
+           ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 's'}"], entry=TOY,
+           dry_run=True, force=True)

@@ -1,107 +1,18 @@
-"""The weight-sync state machine, unit level: a recording stand-in server (stdlib HTTP, in this
-process) that keeps what it receives, checks the session rules SGLang enforces (tensor and
-distributed updates only between begin/end, updates only while paused) and joins the broadcast
-group on its side. End-to-end sync against `megapkl serve` workers is in test_sglang_fleet.py."""
+"""The weight-sync state machine, unit level: a recording stand-in server (sglang_recorder.py,
+forked from this process) that keeps what it receives, enforces the rules SGLang enforces on the
+weight and memory routes and joins the broadcast group on its side. End-to-end sync against
+`megapkl serve` workers is in test_sglang_fleet.py."""
 from __future__ import annotations
 
-import base64
-import json
-import pickle
 import multiprocessing as mp
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+from sglang_recorder import read_state, serve
 from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.sglang import http
-from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Target, WeightSync,
-                                            open_update_group)
-
-
-class Recorder:
-    def __init__(self):
-        self.routes: list[str] = []
-        self.weights: dict[str, torch.Tensor] = {}
-        self.version = None
-        self.paused = self.session = False
-        self.group = None
-        self.fail_on: str | None = None
-
-    def handle(self, route: str, body: dict):
-        self.routes.append(route)
-        if route == self.fail_on:
-            return 400, {"success": False, "message": f"unknown weight 'model.bogus'"}
-        if route == "pause_generation":
-            self.paused = True
-        elif route == "continue_generation":
-            self.paused = False
-        elif route == "begin_weight_update":
-            self.session = True
-        elif route == "end_weight_update":
-            self.session = False
-        elif route == "update_weight_version":
-            self.version = body["new_version"]
-        elif route.startswith("update_weights_from"):
-            if not self.paused or (route != "update_weights_from_disk" and not self.session):
-                return 400, {"success": False, "message": "update outside a paused session"}
-            self._update(route, body)
-        elif route == "init_weights_update_group":
-            self.group = open_update_group(body["backend"], body["master_address"],
-                                           body["master_port"], body["world_size"],
-                                           body["rank_offset"], body["group_name"], 30)
-        return 200, {"success": True, "message": "ok"}
-
-    def _update(self, route, body):
-        if route == "update_weights_from_tensor":
-            named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
-        elif route == "update_weights_from_disk":
-            from megapkl.rollout.embedded import iter_safetensors
-            named = list(iter_safetensors(body["model_path"]))
-        else:
-            named = []
-            for n, dt, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                t = torch.empty(shape, dtype=getattr(torch, dt))
-                torch.distributed.broadcast(t, src=0, group=self.group)
-                named.append((n, t))
-        self.weights.update({n: t.clone() for n, t in named})
-
-
-def _serve(port_queue):
-    """The stand-in server, in its own process (a broadcast group has one member per process)."""
-    rec = Recorder()
-
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # /state: what the test inspects
-            state = {"routes": rec.routes, "version": rec.version, "paused": rec.paused,
-                     "session": rec.session, "weights": rec.weights}
-            self._send(200, {"pickle": base64.b64encode(pickle.dumps(state)).decode()})
-
-        def do_POST(self):
-            n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n) or b"{}")
-            route = self.path.strip("/")
-            if route == "fail_on":
-                rec.fail_on = body["route"]
-                return self._send(200, {})
-            if route == "clear":
-                rec.routes.clear()
-                return self._send(200, {})
-            self._send(*rec.handle(route, body))
-
-        def _send(self, status, out):
-            data = json.dumps(out).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    port_queue.put(httpd.server_address[1])
-    httpd.serve_forever()
+from megapkl.rollout.sglang.weights import MiB, SyncSettings, Target, WeightSync
 
 
 class Server:
@@ -109,8 +20,7 @@ class Server:
         self.url = url
 
     def state(self):
-        return pickle.loads(base64.b64decode(http.request(self.url, "/state", method="GET",
-                                                          timeout=30)["pickle"]))
+        return read_state(self.url)
 
     def post(self, route, body=None):
         http.request(self.url, "/" + route, body or {}, method="POST", timeout=30)
@@ -120,7 +30,7 @@ class Server:
 def server():
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(q,), daemon=True)
+    proc = ctx.Process(target=serve, args=(q,), daemon=True)
     proc.start()
     yield Server(f"http://127.0.0.1:{q.get(timeout=30)}")
     proc.kill()
@@ -200,3 +110,42 @@ def test_bad_settings():
         SyncSettings(pause_mode="stop")
     with pytest.raises(ValueError, match="disk needs a run directory"):
         WeightSync(SyncSettings(mode="disk"))
+
+
+def test_fp8_distributed_sync_over_gloo_is_received_as_sglang_allocates(server):
+    """SGLang allocates its receive buffers with the declared dtypes and broadcasts into them;
+    gloo cannot broadcast float8. The bucket travels flattened (SGLang's flattened_bucket: one
+    uint8 buffer), FP8 declared as float8_e4m3fn, and arrives bit for bit."""
+    from megapkl.rollout.fp8 import FP8Transform
+
+    g = torch.Generator().manual_seed(3)
+    plain = [("model.layers.0.self_attn.q_proj.weight", torch.randn(130, 70, generator=g)),
+             ("model.layers.0.mlp.down_proj.weight", torch.randn(33, 129, generator=g)),
+             ("model.norm.weight", torch.randn(70, generator=g).to(torch.bfloat16))]
+    sent = list(FP8Transform()(plain))
+    assert {t.dtype for _, t in sent} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    sync = WeightSync(SyncSettings(mode="distributed", pause_mode="in_place", timeout_s=30))
+    sync.push([Target(server.url)], sent, version=1)
+    got = server.state()["weights"]
+    assert set(got) == {n for n, _ in sent}
+    for n, t in sent:
+        assert got[n].dtype == t.dtype and got[n].shape == t.shape, n
+        assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+    sync.close_group([Target(server.url)])
+
+
+def test_the_group_backend_follows_the_gpu():
+    from megapkl.rollout.sglang.weights import group_backend
+
+    assert group_backend(cuda=True) == "nccl" and group_backend(cuda=False) == "gloo"
+    assert group_backend("gloo", cuda=True) == "gloo"
+
+
+def test_disk_sync_names_a_loader_a_dummy_started_server_accepts(server, tmp_path):
+    """Servers started without weights run `--load-format dummy`; a disk update that names no
+    load_format gets the server's own, which SGLang's disk updater refuses (HTTP 400)."""
+    sync = WeightSync(SyncSettings(mode="disk", pause_mode="in_place", timeout_s=30),
+                      export_dir=tmp_path)
+    sync.push([Target(server.url)], _weights(), version=2)
+    st = server.state()
+    assert st["version"] == "2" and set(st["weights"]) == {n for n, _ in _weights()}

@@ -1,6 +1,9 @@
 """GPU check for megapkl.rollout.fp8: block-FP8 quantization of a Qwen3-8B-shaped model on one GPU.
 
-Needs only torch (megapkl/rollout/fp8.py is loaded by path, not through the package). Prints JSON
+Needs torch (with numpy) and this repository: it imports `megapkl.rollout.fp8`, which imports
+torch and megapkl's own light modules (`megapkl.rollout`: data, engine, rewards, sample,
+synthetic, fp8_cpu; numpy through them), none of megapkl's other dependencies. The CPU kernel
+(fp8_cpu) is compiled only when a CPU tensor is quantized (the --device cpu run). Prints JSON
 lines:
 - `export_quantize`: random bf16 linear weights shaped like Qwen3-8B (36 layers, hidden 4096,
   intermediate 12288, 32 query / 8 KV heads of 128) -- the "export" is one device copy of every
@@ -18,17 +21,15 @@ lines:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "megapkl" / "rollout" / "fp8.py"
-_spec = importlib.util.spec_from_file_location("megapkl_fp8", _PATH)
-F = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(F)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megapkl.rollout import fp8 as F  # noqa: E402 - after the repository is on the path
 
 QWEN3_8B = dict(layers=36, hidden=4096, inter=12288, heads=32, kv=8, head_dim=128)
 SMALL = dict(layers=2, hidden=256, inter=640, heads=4, kv=2, head_dim=64)

@@ -3,9 +3,14 @@
 NOT YET RUN BY THE PROJECT: SGLang needs CUDA and a networked install that the project's test
 machines do not have. It is prepared for users with both.
 
-One GPU, SGLang 0.5.x and sglang-router installed (`pip install -e .[gpu]`). Given a small local
-HF checkpoint (e.g. Qwen3-0.6B), it
-1. launches `python -m sglang.launch_server` through megapkl's launcher (log in --out);
+SGLang 0.5.23 and sglang-router installed (`pip install -e .[gpu]`). Given a small local HF
+checkpoint (e.g. Qwen3-0.6B), it
+1. launches `python -m sglang.launch_server` through megapkl's launcher (log in --out). With two
+   or more GPUs the server gets GPU 1 of its own (`colocate: false`, `--base-gpu-id 1`) while this
+   process trains on GPU 0: NCCL refuses two ranks of one group on one GPU, so the distributed
+   sync needs that. With one GPU the server is colocated on GPU 0 (memory saver on: its memory is
+   released after each generation and resumed before the next push) and the distributed mode is
+   skipped, said so in its JSON line;
 2. generates with log-probs and top-K (K = 8) for a few prompts;
 3. pushes the checkpoint's own weights, perturbed by a known amount, in each weight-sync mode
    (tensor, distributed over NCCL, disk) and checks the server's reported version and that the
@@ -30,13 +35,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def config(args) -> SimpleNamespace:
-    """The rollout section build_sglang_engine reads, with the defaults of rollout.sglang."""
+def config(args, dedicated: bool) -> SimpleNamespace:
+    """The few run-config fields the engine context and build_sglang_engine read, with the
+    defaults of rollout.sglang."""
     from megapkl.config.sections import SGLangConfig
 
     sg = SGLangConfig(use_router=False, mem_fraction_static=0.5, health_first_wait_s=10.0,
-                      health_interval_s=5.0, startup_timeout_s=900.0, base_port=args.port)
-    return SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
+                      health_interval_s=5.0, startup_timeout_s=900.0, base_port=args.port,
+                      colocate=not dedicated)
+    rollout = SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
+    model = SimpleNamespace(hf_checkpoint=args.model, dtype="bf16", routing_replay=False)
+    parallel = SimpleNamespace(tensor=1, context=1, pipeline=1, data=1)
+    return SimpleNamespace(rollout=rollout, model=model, parallel=parallel, run_dir=args.out,
+                           name="sglang_smoke", seed=0)
 
 
 def main() -> None:
@@ -51,21 +62,29 @@ def main() -> None:
     from megapkl.rollout.embedded import iter_safetensors
     from megapkl.rollout.engine import SamplingParams
     from megapkl.rollout.sample import PromptItem
-    from megapkl.rollout.factory import EngineContext
+    from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     hf_config = json.loads((Path(args.model) / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(args.model)
-    ctx = EngineContext(hf_config=hf_config, work_dir=Path(args.out), seed=0,
-                        hf_checkpoint=args.model)
-    engine = build_sglang_engine(config(args), ctx, tokenizer=tok)
-    weights = [(n, t.to("cuda")) for n, t in iter_safetensors(args.model)]
+    dedicated = torch.cuda.device_count() >= 2
+    torch.cuda.set_device(0)
+    cfg = config(args, dedicated)
+    engine = build_sglang_engine(cfg.rollout, engine_context(cfg, hf_config), tokenizer=tok)
+    print(json.dumps({"step": "launched", "command": engine.fleet.workers[0].spec.cmd}),
+          flush=True)
+    weights = [(n, t.to("cuda:0")) for n, t in iter_safetensors(args.model)]
     prompts = [PromptItem(tok(p, return_tensors="pt").input_ids[0], text=p)
                for p in ("1 + 1 =", "The capital of France is", "def fib(n):")]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, topk_logprobs=8)
     results = {}
     try:
         for v, mode in enumerate(("tensor", "distributed", "disk"), start=1):
+            if mode == "distributed" and not dedicated:
+                print(json.dumps({"step": "sync_distributed", "skipped": "needs a second GPU "
+                                  "for the server (NCCL: one rank per GPU in a group)"}),
+                      flush=True)
+                continue
             engine.sync.s.mode = mode
             scale = 1.0 + 0.01 * (v % 2)  # versions 1 and 3 perturbed alike, 2 not
             engine.update_weights([(n, t * scale) for n, t in weights], version=v)

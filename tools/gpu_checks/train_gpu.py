@@ -2,13 +2,17 @@
 
 Runs megapkl's own trainer (`megapkl.train.loop.Trainer`: megatron-core model, DDP, distributed
 optimizer, NCCL world size 1, the embedded rollout engine on the same GPU) for `--steps` updates
-of the CPU demo's task and protocol, scaled to longer responses, then asserts:
+of the CPU demo's task and protocol, scaled to longer responses (the last update saves a
+checkpoint), then resumes from that checkpoint for `--resume-steps` more updates through
+`megapkl.train.loop.run`, and asserts:
 - every update: finite loss and an applied optimizer step;
 - bf16 model parameters, fp32 main parameters in the optimizer;
 - every tensor entering the model is on the trainer's device (cuda:0);
 - the learner's log-probs equal a recomputation (a plain forward of the same model chunk plus an
   fp32 log-softmax) within bf16 tolerance, and the engine's rollout log-probs of the same weights
   agree with the learner's within bf16 tolerance;
+- the resumed run starts at the checkpoint's update and metrics.jsonl ends with one row per update
+  (0 .. steps + resume_steps - 1), every loss finite;
 and prints tokens/s, MFU against 989 TFLOP/s (H100/H200 dense bf16), peak memory and the
 weight-export seconds, as one JSON line. Exit status 1 when a check fails.
 
@@ -42,22 +46,26 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny-qwen3 instead of qwen3-1.7b")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--resume-steps", type=int, default=2,
+                    help="updates after resuming from the final checkpoint (0: no resume)")
     ap.add_argument("--response-len", type=int, default=None, help="default 256 (tiny: 8)")
     return ap.parse_args(argv)
 
 
-def run_config(args, run_dir: str):
+def run_config(args, run_dir: str, steps=None, resume: bool = False):
     from megapkl.config import configs_dir, load_config
 
     tiny = args.tiny
+    steps = args.steps if steps is None else steps
     overrides = [
         f"model.name={'tiny-qwen3' if tiny else 'qwen3-1.7b'}", "model.dtype=bf16",
         "parallel.data=1", f"parallel.micro_batch_size={8 if tiny else 16}",
         f"rollout.prompts_per_batch={4 if tiny else 16}", "rollout.responses_per_prompt=8",
         f"rollout.max_response_len={args.response_len or (8 if tiny else 256)}",
         "advantage.filter_constant_groups=false",  # fixed generation work per update
-        f"train.steps={args.steps}", "train.lr=1e-5", f"run_dir={run_dir}",
+        f"train.steps={steps}", "train.lr=1e-5", f"run_dir={run_dir}",
         "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.every=0",
+        "checkpoint.keep=1", f"checkpoint.resume={'true' if resume else 'false'}",
     ]
     return load_config(configs_dir() / "demo" / "cpu_demo.yaml", overrides)
 
@@ -99,17 +107,24 @@ def tensors_in(obj, depth: int = 0):
 
 
 class Probe:
-    """Times the learner's train steps; records the devices of every tensor
-    that enters the model (a forward pre-hook on each chunk)."""
+    """Times the learner's train steps and counts their tokens (prompt + response of the samples
+    packed for the step: padding excluded); records the devices of every tensor that enters the
+    model (a forward pre-hook on each chunk)."""
 
     def __init__(self, learner) -> None:
         from megapkl.models.chunks import unwrap
 
         self.step_s, self.tokens, self.devices = [], [], set()
         self.metrics: list[dict] = []
+        self._packed = 0
         for chunk in learner.model:
             unwrap(chunk).register_forward_pre_hook(self._record, with_kwargs=True)
+        self._wrap(learner, "pack", self._counted_pack)
         self._wrap(learner, "train_step", self._timed_step)
+
+    def _counted_pack(self, inner, samples):
+        self._packed = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        return inner(samples)
 
     @staticmethod
     def _wrap(obj, name, wrapper):
@@ -119,13 +134,13 @@ class Probe:
     def _record(self, module, args, kwargs):
         self.devices |= {str(t.device) for t in tensors_in((args, kwargs))}
 
-    def _timed_step(self, inner, responses, step):
+    def _timed_step(self, inner, micro_batches, step):
         sync()
         t0 = time.perf_counter()
-        metrics, applied = inner(responses, step)
+        metrics, applied = inner(micro_batches, step)
         sync()
         self.step_s.append(time.perf_counter() - t0)
-        self.tokens.append(sum(len(r.prompt_ids) + len(r.response_ids) for r in responses))
+        self.tokens.append(self._packed)
         self.metrics.append({"loss": metrics.get("loss", math.nan), "applied": applied})
         return metrics, applied
 
@@ -179,11 +194,8 @@ def recomputed_logprobs(learner, samples, temperature: float) -> list[torch.Tens
 def learner_logprobs(trainer, samples) -> list[torch.Tensor]:
     """The trainer's own log-prob pass (megatron schedule + the chunked vocab op)."""
     for s in samples:
-        s.metadata.setdefault("advantage", 0.0)
-    from megapkl.train import loop
-
-    batch = [loop.to_response(s) for s in samples] if hasattr(loop, "to_response") else samples
-    by_uid = trainer.learner.logprobs(batch)
+        s.advantage = 0.0
+    by_uid = trainer.learner.logprobs(trainer.learner.pack(samples))
     return [by_uid[s.uid].float().cpu() for s in samples]
 
 
@@ -207,6 +219,29 @@ def check(results: dict, name: str, ok: bool, detail) -> None:
     results["checks"][name] = {"ok": bool(ok), "detail": detail}
 
 
+def resume_leg(args, run_dir: str, res: dict) -> None:
+    """Resume from the final checkpoint for --resume-steps updates (a fresh Trainer in the same
+    process, through the public entry point) and check metrics.jsonl."""
+    from megapkl.train.loop import run
+
+    total = args.steps + args.resume_steps
+    sync()
+    t0 = time.perf_counter()
+    run(run_config(args, run_dir, steps=total, resume=True))
+    sync()
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    steps = {}
+    for row in rows:  # a step logged again after a resume: its last line counts
+        steps[int(row["step"])] = row
+    losses = [steps[k].get("loss") for k in sorted(steps)]
+    check(res, "resume_continues_from_checkpoint",
+          sorted(steps) == list(range(total)) and all(
+              isinstance(x, float) and math.isfinite(x) for x in losses),
+          {"steps": sorted(steps), "resumed_losses": losses[args.steps:]})
+    res["resume_s"] = round(time.perf_counter() - t0, 1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     start_single_process(args.device)
@@ -217,7 +252,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     run_dir = tempfile.mkdtemp(prefix="megapkl_gpu_check_")
     cfg = run_config(args, run_dir)
-    context = RunContext().__enter__()  # closed at the end of main: the engine, the lock
+    context = RunContext().__enter__()  # closed below, as `megapkl.train.loop.run` closes it
     trainer = Trainer(cfg, context)
     learner = trainer.learner
     probe = Probe(learner)
@@ -264,9 +299,14 @@ def main(argv=None) -> int:
         peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if args.device == "cuda" else None,
         weight_export_s=round(export_s, 3),
-        total_s=round(time.perf_counter() - t_start, 1),
     )
-    context.__exit__(None, None, None)
+    context.__exit__(None, None, None)  # the engine stops, the run lock is released
+    del trainer, learner, probe, samples
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    if args.resume_steps:
+        resume_leg(args, run_dir, res)
+    res["total_s"] = round(time.perf_counter() - t_start, 1)
     ok = all(c["ok"] for c in res["checks"].values())
     res["ok"] = ok
     print(json.dumps(res), flush=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -12,9 +14,11 @@ from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_address, pick_ports,
-                                           plan_servers, router_command, server_command,
-                                           this_node, wait_healthy)
-from megapkl.rollout.sglang.weights import MiB, SyncSettings, Transform, WeightSync, identity
+                                           plan_servers, releases_memory, router_command,
+                                           server_command, slurm_nodes, this_node, wait_healthy)
+from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
+from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
+                                            identity)
 
 
 def health_settings(sg: Any) -> HealthSettings:
@@ -33,20 +37,76 @@ def sync_settings(sg: Any, urls: Sequence[str] = ()) -> SyncSettings:
 
     remote = any(not is_loopback(urlsplit(u).hostname or "") for u in urls)
     return SyncSettings(mode=sg.weight_sync, bucket_bytes=int(sg.bucket_mb * MiB),
-                        pause_mode=sg.pause_mode, colocate=sg.colocate and not sg.urls,
+                        pause_mode=sg.pause_mode, colocate=releases_memory(sg),
                         timeout_s=sg.sync_timeout_s,
                         group_address=this_node() if remote else local_address(sg.host))
 
 
-def _model_path(ctx: Any, hf_config: dict, work: Path) -> tuple[str, bool]:
-    """(model path for the servers, whether they start from dummy weights): the HF checkpoint when
-    there is one, else a config-only directory (the trainer pushes every weight before use)."""
-    if ctx.hf_checkpoint:
-        return str(ctx.hf_checkpoint), False
+def _eos_token_id(sg: Any, base: dict, tokenizer: Any) -> Any:
+    """The EOS id(s) the served config.json declares: the checkpoint's own, else the tokenizer's.
+    SGLang started with --skip-tokenizer-init takes EOS from config.json (and
+    generation_config.json) only: without it no response ever stops at EOS."""
+    for eos in (base.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
+        if eos is not None:
+            return eos
+    if sg.server_command:
+        return None  # a stand-in server (megapkl serve) knows its own EOS
+    raise LaunchError("rollout.sglang: the served model has no eos_token_id (no "
+                      "model.hf_checkpoint config.json declares one, and no tokenizer is given: "
+                      "set model.tokenizer); SGLang would never stop a response at EOS")
+
+
+def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
+                     ) -> tuple[str, bool]:
+    """(model path for the servers, whether they start from dummy weights).
+
+    The HF checkpoint itself when there is one and rollout.fp8 is off. Otherwise a config-only
+    directory `<work>/model` (the trainer pushes every weight before any generation): the
+    checkpoint's config.json (or the model's), with its EOS id and, under rollout.fp8, the
+    block-FP8 `quantization_config`. SGLang resolves its quantization from that config
+    (`ModelConfig._verify_quantization`), builds the block-FP8 linear method (e4m3 weights with
+    `weight_scale_inv`, 128 x 128) and fills dummy FP8 weights; the pushed e4m3 weights and scales
+    then load into those parameters. `--quantization fp8` alone would give online per-tensor FP8,
+    which has no `weight_scale_inv` to load."""
+    from megapkl.rollout.fp8 import QUANTIZATION_CONFIG
+
+    ckpt = Path(ctx.hf_checkpoint) if ctx.hf_checkpoint else None
+    if ckpt is not None and not rollout.fp8:
+        return str(ckpt), False
+    base = dict(hf_config)
+    if ckpt is not None and (ckpt / "config.json").is_file():
+        base = {**json.loads((ckpt / "config.json").read_text()),
+                "torch_dtype": hf_config.get("torch_dtype", "bfloat16")}
+    eos = _eos_token_id(rollout.sglang, base, tokenizer)
+    if eos is not None:
+        base["eos_token_id"] = eos
+    if rollout.fp8:
+        base["quantization_config"] = dict(QUANTIZATION_CONFIG)
     path = work / "model"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=1))
+    (path / "config.json").write_text(json.dumps(base, indent=1))
+    if ckpt is not None and (ckpt / "generation_config.json").is_file():  # its EOS ids too
+        shutil.copyfile(ckpt / "generation_config.json", path / "generation_config.json")
     return str(path), True
+
+
+def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
+    """Where replica `ctx.replica`'s SGLang servers go on the GPUs (placement.py), from the
+    trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
+    process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
+    import torch
+
+    sg, replica = rollout.sglang, ctx.replica
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    lay = TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
+                        per_node=per_node)
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
+    try:
+        return fleet_slots(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=lay,
+                           replica=replica, nodes=max(1, len(slurm_nodes())),
+                           gpus_per_node=gpus)
+    except PlacementError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
@@ -59,21 +119,30 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
             f.result()
 
 
-def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, replica: int = 0) -> Fleet:
+def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
+                 ) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
     everything started is stopped and LaunchError names the server and its log. `ctx`: the
     engine context (megapkl.rollout.factory.EngineContext)."""
-    sg, health = rollout.sglang, health_settings(rollout.sglang)
-    model_path, dummy = _model_path(ctx, hf_config, work)
+    sg, health, replica = rollout.sglang, health_settings(rollout.sglang), ctx.replica
+    model_path, dummy = served_model_dir(rollout, ctx, hf_config, work, tokenizer)
+    # GPU placement for SGLang itself; a stand-in server_command places nothing.
+    slots = None if sg.server_command else engine_slots(rollout, ctx)
+    if slots is not None and sg.colocate and sg.weight_sync == "distributed" \
+            and group_backend() == "nccl":
+        raise LaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
+                          "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
+                          "tensor or disk, or rollout.sglang.colocate false")
 
-    def make_cmd(host: str, port: int) -> list[str]:
+    def make_cmd(host: str, port: int, base_gpu_id: Optional[int]) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
-                              fp8=rollout.fp8, kv_cache_dtype=rollout.kv_cache_dtype,
+                              kv_cache_dtype=rollout.kv_cache_dtype,
                               routed_experts=ctx.routing_replay,
-                              context_length=sg.context_length, dummy_weights=dummy)
+                              context_length=sg.context_length, dummy_weights=dummy,
+                              base_gpu_id=base_gpu_id)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
-                         replica=replica)
+                         replica=replica, slots=slots)
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     fleet = Fleet(workers, health=health)
     try:
@@ -121,11 +190,12 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     leaders); with several, each launches its own fleet, logs and exports under
     <run_dir>/sglang/replica<r>/."""
     sg = rollout.sglang
-    hf_config = {**ctx.hf_config, "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
+    hf_config = {**ctx.hf_config,
+                 "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
     work = Path(ctx.work_dir) / "sglang"
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
-    fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, ctx.replica)
+    fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, tokenizer)
     if transform is None and rollout.fp8:  # FP8 engines never receive a plain linear weight
         from megapkl.rollout.fp8 import sync_transform
 

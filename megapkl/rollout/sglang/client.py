@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any, Iterable, Optional, Sequence
 
 from torch import Tensor
@@ -67,6 +68,8 @@ class SGLangEngine(RolloutEngine):
         self.answers = answers or AnswerStore(None)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-req")
         fleet.resync = self._resync
+        fleet.restarted = lambda w: self.sync.forget(w.url)
+        fleet.asleep = lambda url: url in self.sync.released
         if heartbeat:
             fleet.start_heartbeat()
 
@@ -136,9 +139,16 @@ class SGLangEngine(RolloutEngine):
         if not self.sync.s.colocate:
             return
         with self.fleet.lock:
-            targets = [Target(w.url, w.tp) for w in self.fleet.ready()]
+            ready = self.fleet.ready()
+            targets = [Target(w.url, w.tp) for w in ready]
             try:
-                (self.sync.release_memory if release else self.sync.resume_memory)(targets)
+                if release:  # not while a heartbeat's /health_generate runs on them
+                    with ExitStack() as held:
+                        for w in ready:
+                            held.enter_context(w.probe)
+                        self.sync.release_memory(targets)
+                else:
+                    self.sync.resume_memory(targets)
             except (http.ServerError, http.ServerUnreachable) as exc:
                 for w in self.fleet.ready():
                     self.fleet.report_failure(w.url, exc)

@@ -8,7 +8,10 @@ out of / put back into the router's worker list alongside.
 
 The heartbeat calls `/health_generate` (a real one-token generation, so a hung scheduler fails it
 even when the HTTP server still answers) every `interval_s`; `max_failures` misses in a row make
-a worker dead. Any request failure triggers an immediate check of that worker.
+a worker dead. Any request failure triggers an immediate check of that worker. A worker whose
+GPU memory is handed to the trainer (colocated, `asleep`) cannot generate: it is checked with
+`/health` instead. A probe holds its worker's `probe` lock, and the engine holds it to release
+the memory, so a release never meets a running health generation (SGLang asserts it is idle).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class Worker:
     failures: int = 0
     restarts: int = 0
     last_error: str = ""
+    probe: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def log_path(self) -> Optional[Path]:
@@ -73,6 +77,8 @@ class Fleet:
         self.lock = threading.RLock()  # held by syncs, re-admissions and state changes
         self.version: Optional[int] = None
         self.resync: Optional[Callable[[list[Worker]], None]] = None  # set by the engine
+        self.restarted: Optional[Callable[[Worker], None]] = None  # set by the engine
+        self.asleep: Callable[[str], bool] = lambda url: False  # memory released (the engine)
         self._rr = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -165,12 +171,14 @@ class Fleet:
     def _alive(self, w: Worker) -> bool:
         if w.process is not None and not w.process.alive():
             return False
-        try:
-            http.request(w.url, "health_generate", timeout=self.health.timeout_s,
-                         connections=self.connections)
-            return True
-        except (http.ServerUnreachable, http.ServerError):
-            return False
+        with w.probe:
+            route = "health" if self.asleep(w.url) else "health_generate"
+            try:
+                http.request(w.url, route, timeout=self.health.timeout_s,
+                             connections=self.connections)
+                return True
+            except (http.ServerUnreachable, http.ServerError):
+                return False
 
     def server_version(self, w: Worker) -> Optional[int]:
         try:
@@ -209,6 +217,8 @@ class Fleet:
                     return
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")
+                if self.restarted is not None:
+                    self.restarted(w)  # a fresh server: nothing released, in no update group
                 w.process = w.spec.process().start()
                 try:
                     wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,

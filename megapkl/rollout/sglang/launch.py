@@ -5,7 +5,8 @@
 `{host}`, `{port}`, `{tp}`, `{ep}` and `{python}` substituted (how the tests and CPU boxes run
 `megapkl serve` through the same code path). Every process writes its log into the run directory,
 runs in its own session (so a kill takes its children too) and dies with the trainer (Linux
-parent-death signal). Inside a Slurm allocation, engines spread over the job's nodes through
+parent-death signal). Each server gets its GPUs with `--base-gpu-id` (placement.py). Inside a
+Slurm allocation, dedicated servers (`colocate: false`) run on their nodes through
 `srun --overlap`; elsewhere everything runs on this host.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.placement import Slot
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +113,29 @@ def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = ()) -> 
 
 
 def slurm_nodes() -> list[str]:
-    """Host names of the current Slurm allocation ([] outside one)."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    if not nodelist or shutil.which("scontrol") is None:
+    """Host names of the current Slurm allocation ([] outside one), parsed from
+    SLURM_JOB_NODELIST as submitit parses it (no Slurm client needed, e.g. inside a container)."""
+    if not os.environ.get("SLURM_JOB_NODELIST"):
         return []
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, check=False)
-    return out.stdout.split() if out.returncode == 0 else []
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    return SlurmJobEnvironment().hostnames
 
 
-def server_command(sg: Any, *, model_path: str, host: str, port: int, fp8: bool,
+def releases_memory(sg: Any) -> bool:
+    """Does megapkl hand the servers' GPU memory to the trainer between generations? Only for
+    colocated servers it launched itself (servers named by `urls` are left alone). Such servers
+    start with SGLang's memory saver, and `megapkl plan` counts their memory as free while
+    training."""
+    return bool(sg.colocate and not sg.urls)
+
+
+def server_command(sg: Any, *, model_path: str, host: str, port: int,
                    kv_cache_dtype: str, routed_experts: bool, context_length: Optional[int],
-                   dummy_weights: bool) -> list[str]:
-    """The argument list of one server (see the module docstring for `server_command`)."""
+                   dummy_weights: bool, base_gpu_id: Optional[int] = None) -> list[str]:
+    """The argument list of one server (see the module docstring for `server_command`).
+    FP8 needs no flag: the served model directory's config.json carries the block-FP8
+    quantization_config, from which SGLang resolves its quantization (see build.py)."""
     subst = {"python": sys.executable, "model_path": model_path, "host": host, "port": str(port),
              "tp": str(sg.tp), "ep": str(sg.ep)}
     if sg.server_command:
@@ -131,10 +143,14 @@ def server_command(sg: Any, *, model_path: str, host: str, port: int, fp8: bool,
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", host, "--port", str(port), "--tp-size", str(sg.tp), "--ep-size", str(sg.ep),
            "--mem-fraction-static", str(sg.mem_fraction_static), "--skip-tokenizer-init"]
+    if base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
     if dummy_weights:
         cmd += ["--load-format", "dummy"]  # the trainer pushes the real weights before any use
-    if fp8:
-        cmd += ["--quantization", "fp8"]
+    if releases_memory(sg):
+        # Without the memory saver, release/resume do nothing; without the CPU backup the
+        # weights would not survive a release (generation without a push in between reads them).
+        cmd += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
     if kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if routed_experts:
@@ -190,20 +206,29 @@ class ServerSpec:
         return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path)
 
 
-def plan_servers(sg: Any, *, log_dir: Path, make_cmd: Callable[[str, int], list[str]],
-                 host: str, replica: int = 0) -> list[ServerSpec]:
+def plan_servers(sg: Any, *, log_dir: Path,
+                 make_cmd: Callable[[str, int, Optional[int]], list[str]], host: str,
+                 replica: int = 0, slots: Optional[Sequence[Slot]] = None) -> list[ServerSpec]:
     """One spec per engine of trainer replica `replica` (a data-parallel leader). Ports start at
     base_port + replica * num_engines, so the fleets of replicas sharing a node never collide.
+    `slots` (placement.py): the node and first GPU of each server (None: no GPU placement, e.g.
+    `megapkl serve` stand-ins on CPU); `make_cmd(host, port, base_gpu_id)`.
 
     - colocate (the default), or outside a multi-node Slurm allocation: the engines run on this
       host (the replica's own node), bound to `host` (loopback unless configured).
-    - colocate false inside an allocation of several nodes: the engines are spread over its nodes
-      (`srun --overlap`), bound to `host` and addressed by node name. Other nodes must reach them,
-      so `host` must not be loopback: setting it is the explicit choice to expose the servers'
-      weight-update routes to the network (a warning is logged)."""
+    - colocate false inside an allocation of several nodes: the engines run on the nodes of their
+      slots (`srun --overlap`), bound to `host` and addressed by node name. Other nodes must reach
+      them, so `host` must not be loopback: setting it is the explicit choice to expose the
+      servers' weight-update routes to the network (a warning is logged)."""
     first = sg.base_port + replica * sg.num_engines
+    gpu = [None if slots is None else slots[i].base_gpu for i in range(sg.num_engines)]
     nodes = slurm_nodes()
     if len(nodes) > 1 and not sg.colocate:
+        if shutil.which("srun") is None:
+            raise LaunchError("rollout.sglang.colocate false starts the servers on the "
+                              "allocation's other nodes with `srun --overlap`, and srun is not "
+                              "on this task's PATH (a container without the Slurm client?): run "
+                              "the job outside a container, or with colocate true")
         from megapkl.rollout.sglang.http import is_loopback
 
         if is_loopback(host):
@@ -216,13 +241,15 @@ def plan_servers(sg: Any, *, log_dir: Path, make_cmd: Callable[[str, int], list[
                     "tensors and files sent to them) are reachable from the network", host)
         specs = []
         for i in range(sg.num_engines):
-            node, port = nodes[i % len(nodes)], first + i
+            k = replica * sg.num_engines + i  # no slots: the run's servers in turn over the nodes
+            node = nodes[(k if slots is None else slots[i].node) % len(nodes)]
+            port = first + i
             cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-                   *make_cmd(host, port)]
+                   *make_cmd(host, port, gpu[i])]
             specs.append(ServerSpec(i, f"http://{node}:{port}", cmd,
                                     log_dir / f"engine{i}.log", sg.tp))
         return specs
-    return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port),
+    return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
                        log_dir / f"engine{i}.log", sg.tp)
             for i, port in enumerate(pick_ports(host, first, sg.num_engines))]
 

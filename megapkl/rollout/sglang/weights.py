@@ -14,10 +14,15 @@ named_tensors` first: the seam for FP8 re-quantization (identity by default).
   a torch multiprocessing pickle, one copy per engine TP rank). CPU tensors travel as shared-memory
   file names, so this is for servers on the same host only (colocated).
 - distributed: `/init_weights_update_group` once per fleet membership, then per bucket
-  `/update_weights_from_distributed` {names, dtypes, shapes} while this process broadcasts each
-  tensor from rank 0 of that group (NCCL when the tensors are on a GPU, gloo otherwise).
+  `/update_weights_from_distributed` {names, dtypes, shapes, load_format: flattened_bucket} while
+  this process broadcasts the bucket from rank 0 of that group as one byte buffer. The group is
+  NCCL when this process has a GPU (the bucket is copied there first), gloo otherwise. SGLang
+  receives a flattened bucket into a uint8 buffer and views each tensor in its declared dtype, so
+  FP8 (which gloo cannot broadcast) is declared as float8_e4m3fn and travels as its bytes.
 - disk: the bucket files of a safetensors checkpoint under the run directory, then
-  `/update_weights_from_disk` {model_path} on every server.
+  `/update_weights_from_disk` {model_path, load_format: safetensors} on every server (without a
+  load_format SGLang uses the server's own, `dummy` for servers started without weights, and its
+  disk updater refuses any loader but the default one).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ import torch
 from torch import Tensor
 
 from megapkl.rollout.engine import WeightUpdateError
-from megapkl.rollout.fp8 import SCALE_SUFFIX, byte_view
+from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
 
@@ -157,6 +162,41 @@ def open_update_group(backend: str, address: str, port: int, world_size: int, ra
     return pg
 
 
+def group_backend(setting: Optional[str] = None, cuda: Optional[bool] = None) -> str:
+    """The weight-update group's backend: `setting` when given, else NCCL when this process has a
+    GPU (the servers receive on theirs; SGLang's default) and gloo on a CPU-only host."""
+    if setting:
+        return setting
+    return "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
+
+
+def group_device(pg: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def flat_order(bucket: Iterable[tuple[str, Tensor]]) -> NamedTensors:
+    """The bucket with wider elements first: each tensor then starts at a multiple of its element
+    size in the flattened buffer (SGLang's FlattenedTensorBucket checks that alignment)."""
+    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+
+
+def flatten_bucket(bucket: NamedTensors, device: torch.device) -> Tensor:
+    """The bucket's bytes in order, as one uint8 tensor on `device` (what SGLang's flattened-bucket
+    receive allocates and broadcasts into)."""
+    sizes = [t.numel() * t.element_size() for _, t in bucket]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for (_, t), size in zip(bucket, sizes):
+        flat[offset:offset + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8),
+                                         non_blocking=True)
+        offset += size
+    return flat
+
+
 @dataclass
 class Target:
     """A server to sync: its URL and how many TP ranks it runs (one payload / group rank each)."""
@@ -174,7 +214,7 @@ class SyncSettings:
     timeout_s: float = 600.0
     flush_retries: int = 20
     group_address: str = "127.0.0.1"
-    group_backend: Optional[str] = None  # None: nccl for GPU tensors, gloo for CPU
+    group_backend: Optional[str] = None  # None: nccl when this process has a GPU, else gloo
 
     def __post_init__(self):
         if self.mode not in SYNC_MODES:
@@ -284,6 +324,13 @@ class WeightSync:
             self._all(todo, "resume_memory_occupation", lambda t: {})
             self.released.difference_update(t.url for t in todo)
 
+    def forget(self, url: str) -> None:
+        """The server at `url` was restarted: it holds its memory (SGLang's resume of a tag that
+        was never released raises in the scheduler and kills it) and is in no update group."""
+        self.released.discard(url)
+        if self._group is not None and url in {u for u, _ in self._group[0]}:
+            self._group = None  # its peers leave the old group when the next group is made
+
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
@@ -293,7 +340,8 @@ class WeightSync:
         else:
             path = self._export(stream, version)
             self._all(targets, "update_weights_from_disk",
-                      lambda t: {"model_path": str(path), "flush_cache": False})
+                      lambda t: {"model_path": str(path), "load_format": "safetensors",
+                                 "flush_cache": False})
 
     def _send_tensor(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
         """Bucket k + 1 is copied into shared memory (a worker thread) while the servers load
@@ -317,12 +365,12 @@ class WeightSync:
                 del alive  # the servers have read the bucket: its shared memory may go
 
     # ------------------------------------------------------------------ distributed
-    def _ensure_group(self, targets: Sequence[Target], device: torch.device):
+    def _ensure_group(self, targets: Sequence[Target]):
         membership = tuple((t.url, t.tp) for t in targets)
         if self._group is not None and self._group[0] == membership:
             return self._group[1], self._group[2]
-        self.close_group(targets)
-        backend = self.s.group_backend or ("nccl" if device.type == "cuda" else "gloo")
+        self.close_group()
+        backend = group_backend(self.s.group_backend)
         self._groups_made += 1
         name = f"megapkl-weights-{uuid.uuid4().hex[:12]}"
         port = free_port(self.s.group_address)
@@ -344,15 +392,15 @@ class WeightSync:
         self._group = (membership, pg, name)
         return pg, name
 
-    def close_group(self, targets: Sequence[Target]) -> None:
-        """Tell the servers of the current group to leave it (best effort) and drop ours."""
+    def close_group(self, targets: Sequence[Target] = ()) -> None:
+        """Tell the members of the current group to leave it (best effort) and drop ours."""
         if self._group is None:
             return
-        _, pg, name = self._group
+        members, pg, name = self._group
         self._group = None
-        for t in targets:
+        for url in dict.fromkeys([u for u, _ in members] + [t.url for t in targets]):
             try:
-                self._call(t.url, "destroy_weights_update_group", {"group_name": name})
+                self._call(url, "destroy_weights_update_group", {"group_name": name})
             except (http.ServerError, http.ServerUnreachable):
                 pass
         try:
@@ -366,18 +414,18 @@ class WeightSync:
 
         pg = name = None
         for bucket in stream:
-            bucket = list(self.transform(bucket))  # a transform may yield lazily
+            bucket = flat_order(self.transform(bucket))  # a transform may yield lazily
             if pg is None:
-                pg, name = self._ensure_group(targets, bucket[0][1].device)
+                pg, name = self._ensure_group(targets)
             body = {"names": [n for n, _ in bucket],
                     "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": name,
-                    "flush_cache": False}
+                    "load_format": "flattened_bucket", "flush_cache": False}
+            flat = flatten_bucket(bucket, group_device(pg))
             with ThreadPoolExecutor(len(targets)) as pool:
                 futures = [pool.submit(self._call, t.url, "update_weights_from_distributed", body)
                            for t in targets]
-                for _, t in bucket:
-                    dist.broadcast(byte_view(t.detach().contiguous()), src=0, group=pg)
+                dist.broadcast(flat, src=0, group=pg)
                 for f in futures:
                     f.result()
 

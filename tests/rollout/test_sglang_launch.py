@@ -1,0 +1,171 @@
+"""What megapkl starts SGLang with: the served model directory (block-FP8 quantization_config,
+EOS), the memory-saver flags of colocated servers, and each server's GPUs (`--base-gpu-id`) per
+data-parallel replica. SGLang's own parser and loader run on these in tests/contract/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapkl.config import load_config
+from megapkl.models.spec import hf_config_dict, load_spec
+from megapkl.rollout.fp8 import QUANTIZATION_CONFIG, read_quantization_config
+from megapkl.rollout.sglang.build import engine_slots, served_model_dir
+from megapkl.rollout.sglang.launch import (LaunchError, plan_servers, releases_memory,
+                                           server_command)
+from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout,
+                                              check_fleets, colocated_gpus, fleet_slots)
+
+
+class _Tok:
+    eos_token_id = 151643
+
+
+def _cfg(*extra):
+    return load_config("configs/demo/cpu_demo.yaml", ["rollout.engine=sglang", *extra])
+
+
+def _hf():
+    return hf_config_dict(load_spec("tiny-qwen3"), dtype="bfloat16")
+
+
+def _served(cfg, work, tokenizer=None):
+    from megapkl.rollout.factory import engine_context
+
+    return served_model_dir(cfg.rollout, engine_context(cfg, _hf()), _hf(), work, tokenizer)
+
+
+def _slots(cfg, replica, replicas):
+    from megapkl.rollout.factory import engine_context
+
+    return engine_slots(cfg.rollout, engine_context(cfg, _hf(), replica=replica,
+                                                    replicas=replicas))
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def _cmd(cfg, path="m", dummy=True, gpu=None):
+    sg = cfg.rollout.sglang
+    return server_command(sg, model_path=path, host="127.0.0.1", port=30000,
+                          kv_cache_dtype=cfg.rollout.kv_cache_dtype, routed_experts=False,
+                          context_length=None, dummy_weights=dummy, base_gpu_id=gpu)
+
+
+def test_fp8_serves_a_block_fp8_config_with_dummy_weights(tmp_path):
+    """SGLang takes its quantization from config.json: only a block-FP8 quantization_config makes
+    it build `weight_scale_inv` parameters for the pushed e4m3 weights (`--quantization fp8`
+    alone is online per-tensor FP8)."""
+    cfg = _cfg("rollout.fp8=true")
+    path, dummy = _served(cfg, tmp_path, _Tok())
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert dummy and config["quantization_config"] == QUANTIZATION_CONFIG
+    assert read_quantization_config(config) == (128, 128)
+    cmd = _cmd(cfg, path, dummy)
+    assert _flag(cmd, "--load-format") == "dummy" and "--quantization" not in cmd
+    assert _flag(cmd, "--model-path") == path
+
+
+def test_an_fp8_run_from_a_checkpoint_serves_its_config_quantized(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    own = {**_hf(), "eos_token_id": 7, "bos_token_id": 1}
+    (ckpt / "config.json").write_text(json.dumps(own))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    plain = _cfg(f"model.hf_checkpoint={ckpt}")
+    assert _served(plain, tmp_path / "a") == (str(ckpt), False)
+    path, dummy = _served(_cfg(f"model.hf_checkpoint={ckpt}", "rollout.fp8=true"),
+                           tmp_path / "b", _Tok())
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert dummy and config["eos_token_id"] == 7 and config["bos_token_id"] == 1
+    assert config["quantization_config"] == QUANTIZATION_CONFIG
+    assert json.loads((Path(path) / "generation_config.json").read_text())["eos_token_id"] == [7, 8]
+
+
+def test_the_config_only_model_declares_eos(tmp_path):
+    """--skip-tokenizer-init: SGLang's EOS comes from config.json alone."""
+    path, _ = _served(_cfg(), tmp_path, _Tok())
+    assert json.loads((Path(path) / "config.json").read_text())["eos_token_id"] == 151643
+    with pytest.raises(LaunchError, match="eos_token_id.*model.tokenizer"):
+        _served(_cfg(), tmp_path / "x", tokenizer=None)
+
+
+def test_colocated_servers_start_with_the_memory_saver():
+    """Release/resume do nothing without --enable-memory-saver; the weights survive a release
+    only with --enable-weights-cpu-backup. `megapkl plan` counts the memory as free exactly when
+    megapkl releases it."""
+    colocated = _cfg("rollout.sglang.colocate=true")
+    assert releases_memory(colocated.rollout.sglang)
+    cmd = _cmd(colocated)
+    assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd
+    for other in (_cfg("rollout.sglang.colocate=false"),
+                  _cfg('rollout.sglang.urls=["http://127.0.0.1:1"]')):
+        assert not releases_memory(other.rollout.sglang)
+        assert "--enable-memory-saver" not in _cmd(other)
+
+
+def test_colocated_fleets_of_8_replicas_on_a_node_use_one_gpu_each():
+    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=8, per_node=8)
+    slots = check_fleets(num_engines=1, tp=1, colocate=True, lay=lay)
+    assert [s.base_gpu for fleet in slots for s in fleet] == list(range(8))
+    with pytest.raises(PlacementError, match="rollout.sglang.num_engines x rollout.sglang.tp"):
+        check_fleets(num_engines=2, tp=1, colocate=True, lay=lay)
+
+
+def test_colocated_placement_follows_the_replica_ranks():
+    # TP 2 x PP 2 on 8 GPUs: replica 0 trains on GPUs 0, 1 (stage 0) and 4, 5 (stage 1)
+    lay = TrainerLayout(tp=2, cp=1, pp=2, dp=2, per_node=8)
+    assert colocated_gpus(lay, 0) == [0, 1, 4, 5] and colocated_gpus(lay, 1) == [2, 3, 6, 7]
+    assert [s.base_gpu for s in fleet_slots(num_engines=2, tp=2, colocate=True, lay=lay,
+                                            replica=1)] == [2, 6]
+    # CP 2 x TP 1 (the 1.7B PKL layout): 4 replicas of 2 GPUs on one node, 2 servers each
+    lay = TrainerLayout(tp=1, cp=2, pp=1, dp=4, per_node=8)
+    fleets = check_fleets(num_engines=2, tp=1, colocate=True, lay=lay)
+    assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
+    # a replica spanning nodes: only its leader's node hosts its fleet
+    lay = TrainerLayout(tp=8, cp=2, pp=2, dp=2, per_node=8)
+    assert colocated_gpus(lay, 1) == list(range(8))
+    assert [s.base_gpu for s in fleet_slots(num_engines=2, tp=4, colocate=True, lay=lay,
+                                            replica=1)] == [0, 4]
+
+
+def test_dedicated_servers_take_the_gpus_the_trainer_leaves():
+    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=4, per_node=2)  # 2 nodes x 2 trainer ranks
+    fleets = check_fleets(num_engines=1, tp=3, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
+    assert [(s.node, s.base_gpu) for f in fleets for s in f] == [(0, 2), (0, 5), (1, 2), (1, 5)]
+    with pytest.raises(PlacementError, match="room for 2"):
+        check_fleets(num_engines=1, tp=4, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
+    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=8, per_node=4)
+    fleets = check_fleets(num_engines=1, tp=1, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
+    assert [(s.node, s.base_gpu) for f in fleets for s in f] == \
+        [(n, g) for n in range(2) for g in range(4, 8)]
+
+
+def test_each_server_gets_its_own_base_gpu_id(tmp_path, monkeypatch):
+    """The commands megapkl starts: no two servers of a node share a GPU, across replicas too."""
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = _cfg("parallel.data=4", "parallel.context=2", "rollout.sglang.num_engines=2",
+               "rollout.sglang.base_port=30100")
+    sg = cfg.rollout.sglang
+    seen = []
+    for replica in range(4):
+        slots = _slots(cfg, replica, 4)
+        specs = plan_servers(sg, log_dir=tmp_path, host="127.0.0.1", replica=replica,
+                             slots=slots, make_cmd=lambda h, p, g: _cmd(cfg, gpu=g))
+        seen += [int(_flag(s.cmd, "--base-gpu-id")) for s in specs]
+    assert sorted(seen) == list(range(8))
+    with pytest.raises(LaunchError, match="num_engines"):
+        _slots(_cfg("parallel.data=4", "parallel.context=2", "rollout.sglang.num_engines=3"),
+               0, 4)
+
+
+def test_slurm_nodes_need_no_slurm_client(monkeypatch):
+    from megapkl.rollout.sglang.launch import slurm_nodes
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-a[003-004],gpu-b7")
+    assert slurm_nodes() == ["gpu-a003", "gpu-a004", "gpu-b7"]
+    assert Slot(None, 0).node is None
