@@ -240,7 +240,7 @@ def exact_version_metrics(learner, minibatch, micro_batches, version: int, *,
         with learner.own_routing() as own:
             learner.fill_logprobs(micro_batches, "logp_live")
         field = field or "logp_live"
-    uids = torch.tensor([s.uid for s in fresh], dtype=torch.int64)
+    uids = torch.tensor([s.uid for s in fresh], dtype=torch.int64, device=groups.device)
     sums, top = field_parts(micro_batches, field, uids)
     owner = groups.is_last_pp_stage and groups.tp_rank == 0  # TP ranks hold the same values
     if not owner:
