@@ -1,8 +1,8 @@
 """In-training evaluation every `eval.every` updates (and before the first with `eval.at_start`).
 
-Training pauses for it: every rank takes part in the weight export (a collective), each data-
-parallel replica's engine rank evaluates every dp_size-th prompt of each benchmark with the
-current weights, the records are gathered on rank 0, which writes RUN_DIR/eval/step_XXXXXX.json
+Training pauses for it: every rank takes part in writing the current weights into the version
+store (the collective export; the next update does not export them again), each data-parallel
+replica's engine loads them from there and evaluates every dp_size-th prompt of each benchmark, the records are gathered on rank 0, which writes RUN_DIR/eval/step_XXXXXX.json
 (+ .samples.jsonl) and returns the scalars that go into that update's metrics.jsonl row and
 TensorBoard (`eval/<benchmark>/<metric>`, `eval/micro_avg/accuracy`, `eval/version`). The engine
 gets its previous weights back afterwards, so the rollout schedule (and a resumed run) sees the
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch.distributed as dist
 
-from megapkl.train.agree import agree, attempt, feed
+from megapkl.train.agree import agree, attempt
 
 
 class Evaluator:
@@ -61,24 +61,23 @@ class Evaluator:
         """(None, this rank's records), or (what failed here, [])."""
         from megapkl.eval.runner import evaluate
 
-        stage, export = self.rollouts, self.export()  # collective: every rank iterates it to the end
+        stage = self.rollouts
+        stage.remember(version, self.export)  # collective: into the store, as rollouts get it
         if stage.engine is None:
-            for _ in export:
-                pass
             return None, []
         previous = stage.engine.version
-        error = feed(export, lambda weights: stage.push(weights, version))
-        records: Optional[list] = []
-        if error is None:
-            records, error = attempt(lambda: evaluate(
-                stage.engine, self.benchmarks, self.cfg, self.rollout_cfg, step=version,
-                seed=self.seed, scoring=self.scoring, share=self.dp))
+
+        def records() -> list:
+            stage.use_version(version)
+            return evaluate(stage.engine, self.benchmarks, self.cfg, self.rollout_cfg,
+                            step=version, seed=self.seed, scoring=self.scoring, share=self.dp)
+        got, error = attempt(records)
         if error is None and previous is not None and previous != version \
                 and previous in stage.store.versions():
             _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
         if error is not None:
             stage.failed_with(previous)  # the version rollouts were using, not the eval's
-        return error, records or []
+        return error, got or []
 
     def close(self) -> None:
         self.scoring.close()

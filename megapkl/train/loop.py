@@ -149,7 +149,9 @@ class Trainer:
         if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
             snapshots.save("init", meta=0)
         if may_generate_from(self.schedule, u):
-            self.rollouts.remember(u, self.learner.export())
+            self.rollouts.remember(u, self.learner.export)
+        else:
+            self.rollouts.drop(u)  # written by an evaluation; no batch is generated from it
         self.rollouts.forget_before(self.schedule.oldest_needed(u))
 
     def new_batch(self, plan) -> None:

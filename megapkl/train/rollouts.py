@@ -101,6 +101,7 @@ class RolloutStage:
 
             self.transform = FP8Transform()
         self.versions_loaded = 0
+        self.kept: set[int] = set()  # the versions in the store (the same on every rank)
         # After a failed batch or evaluation, the version a checkpoint records as the engine's:
         # the one it held before (None: the next batch loads what it needs).
         self._failed, self._version_before_failure = False, None
@@ -111,39 +112,46 @@ class RolloutStage:
 
     # ------------------------------------------------------------------ weights
 
-    def remember(self, version: int, weights: Iterable) -> None:
-        """Write the weights of `version` (an iterator of (HF name, tensor): the collective export,
-        consumed on every rank, written only by the store's writer). Collective; a failure to
-        write is agreed over every rank."""
+    def remember(self, version: int, export: Callable[[], Iterable]) -> None:
+        """Write the weights of `version` into the store, FP8-quantized under rollout.fp8 (the one
+        place that decides it), unless it holds them already (an evaluation wrote them).
+        `export()`: the learner's collective export, consumed on every rank and written only by
+        the store's writer. Collective; a failure to write is agreed over every rank."""
+        if version in self.kept:
+            return
+
         def write(stream) -> None:
             if self.store.writer and self.transform is not None:
                 stream = self.transform(stream)
             self.store.save(version, stream)
         with self.timers("export"):
-            error = feed(weights, write)
+            error = feed(export(), write)
             agree(error, what="saving the policy version")
+        self.kept.add(version)
+
+    def drop(self, version: int) -> None:
+        """`version` is not needed (an evaluation wrote it; no batch is generated from it)."""
+        if version in self.kept:
+            self.kept.discard(version)
+            if self.store.writer:
+                self.store.path(version).unlink(missing_ok=True)
 
     def forget_before(self, version: int) -> None:
         self.store.delete_before(version)
-        held, cap = len(self.store.versions()), self.rollout.snapshot_pool
+        self.kept = {v for v in self.kept if v >= version}
+        held, cap = len(self.kept), self.rollout.snapshot_pool
         if held > cap:
             raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
                                "versions at once; raise rollout.snapshot_pool")
 
     def use_version(self, version: int) -> None:
-        """Load `version` from the store into this leader's engine (nothing if it holds it)."""
+        """Give this leader's engine `version` from the store (nothing if it holds it): a
+        reference to the stored file, which the engine reads, never a copy of the weights."""
         if self.engine.version == version:
             return
         with self.timers("sync"):
-            self.engine.update_weights(self.store.load(version), version)
+            self.engine.update_weights(self.store.get(version), version)
         self.versions_loaded += 1
-
-    def push(self, weights: Iterable, version: int) -> None:
-        """Give the engine weights that are in no store (the evaluation's live export), quantized
-        as the stored versions are."""
-        with self.timers("sync"):
-            stream = self.transform(weights) if self.transform is not None else weights
-            self.engine.update_weights(stream, version=version)
 
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine loaded for the current batch."""
@@ -283,10 +291,13 @@ class RolloutStage:
         """Collective: the checkpoint's versions back into the store (agreed)."""
         src = Path(checkpoint) / "policy_versions"
 
+        saved = VersionStore(src, writer=False).versions()
+
         def restore() -> None:
             if self.leader or self.store.writer:
-                self.store.restore_from(src, VersionStore(src, writer=False).versions())
+                self.store.restore_from(src, saved)
         agreed(restore, what="restoring the checkpoint's policy versions")
+        self.kept = set(saved)
 
     def close(self) -> None:
         """The engine (launched servers stop with the run) and the reward's worker."""

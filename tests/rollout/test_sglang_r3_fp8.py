@@ -167,7 +167,12 @@ def fp8_setup(tmp_path_factory):
             "rollout.engine=sglang", "rollout.fp8=true", f"run_dir={tmp / 'run'}",
             f"rollout.sglang.urls={json.dumps(cluster.worker_urls)}",
             "rollout.sglang.bucket_mb=0.1"])  # several buckets per sync
-        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)))
+        from megapkl.rollout.fp8 import sync_transform
+
+        # plain BF16 pushes to an FP8 server: quantized by the sync (the trainer's versions are
+        # stored quantized already, and pushed as they are)
+        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)),
+                                     transform=sync_transform())
         yield engine, cluster.worker_urls[0], _hf(spec)
         engine.close()
     finally:

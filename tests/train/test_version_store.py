@@ -117,7 +117,7 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
 
     stage = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
     for v in range(5):
-        stage.remember(v, engine_weights(stage, v))
+        stage.remember(v, lambda: engine_weights(stage, v))
         stage.forget_before(v - 3)
     assert stage.store.versions() == [1, 2, 3, 4]
     if fp8:  # stored already quantized
@@ -151,5 +151,5 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
         again.collect(2, [gone] * 8)
     with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
         for v in range(5, 7):
-            stage.remember(v, engine_weights(stage, v))
+            stage.remember(v, lambda: engine_weights(stage, v))
         stage.forget_before(0)

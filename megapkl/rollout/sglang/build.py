@@ -188,7 +188,10 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     """The engine of `rollout.sglang` for the engine context `ctx`
     (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.replicas` (data-parallel
     leaders); with several, each launches its own fleet, logs and exports under
-    <run_dir>/sglang/replica<r>/."""
+    <run_dir>/sglang/replica<r>/. The trainer pushes versions already quantized under
+    rollout.fp8 (where it writes them); `transform` is applied to each bucket of a push besides
+    (identity by default: pass megapkl.rollout.fp8.sync_transform() to push BF16 weights to an
+    FP8 server yourself)."""
     sg = rollout.sglang
     hf_config = {**ctx.hf_config,
                  "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
@@ -196,10 +199,6 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
     fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, tokenizer)
-    if transform is None and rollout.fp8:  # FP8 engines never receive a plain linear weight
-        from megapkl.rollout.fp8 import sync_transform
-
-        transform = sync_transform()
     sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                       transform=transform or identity,
                       hf_config=hf_config)
