@@ -19,12 +19,14 @@ import sys
 import traceback
 from typing import Callable, Optional, Sequence
 
+from megapkl.errors import MegapklError
+
 EXIT_CONFIG = 2  # bad config or bad usage (argparse uses 2 as well)
 EXIT_ERROR = 1  # anything else that stops a command: one line on stderr, the traceback with --debug
 EXIT_INTERRUPTED = 130
 
 
-class UsageError(ValueError):
+class UsageError(MegapklError, ValueError):
     """Bad command-line usage that argparse cannot see (exit 2)."""
 
 

@@ -23,6 +23,18 @@ _FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s"
 _state: dict = {"buffer": None, "file": None, "pid": None}
 
 
+# Loggers whose parent prints on its own (torch's "torch" logger has a terminal handler and does
+# not propagate), with records known to come at import: handed to the root's handlers instead.
+PRINTING_LOGGERS = ("torch.utils.cpp_extension",)
+
+
+class _ToRoot(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        for h in logging.getLogger().handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
+
+
 class _Own(logging.Filter):
     """megapkl's own records (they are shown on the terminal as well)."""
 
@@ -42,6 +54,10 @@ def quiet() -> None:
     own.addFilter(_Own())
     own.setLevel(logging.WARNING)
     root.addHandler(own)
+    for name in PRINTING_LOGGERS:  # before torch installs its own terminal handler above them
+        logger = logging.getLogger(name)
+        logger.propagate = False
+        logger.addHandler(_ToRoot())
     _state.update(buffer=buffer, pid=os.getpid())
     atexit.register(_report)
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megapkl.errors import MegapklError
 from megapkl.eval.metrics import default_ks, micro_average, summarize
 from megapkl.rollout.engine import RolloutEngine, SamplingParams
 from megapkl.rollout.sample import PromptItem, Sample
 
 
 
-class EvalError(ValueError):
+class EvalError(MegapklError, ValueError):
     """A benchmark that cannot be evaluated (unknown name, missing file); names the key or file."""
 
 

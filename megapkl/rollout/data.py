@@ -19,6 +19,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within
 TEMPLATES = ("qwen_math", "raw")
 
 
-class DataError(ValueError):
+class DataError(MegapklError, ValueError):
     """A malformed prompt row; the message starts with 'FILE:LINE:' (or 'FILE:row N:')."""
 
 

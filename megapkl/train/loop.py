@@ -143,16 +143,17 @@ class Trainer:
         """Keep the learner's weights (version u) where later work needs them: the reference and
         initial snapshots, and the rollout pool if a batch may be generated from version u."""
         u, snapshots = plan.update, self.learner.snapshots
-        if plan.refresh_reference and plan.reference_version == u and \
-                self.cfg.reference.mode == "snapshot":
-            snapshots.save("reference", meta=u)
-        if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
-            snapshots.save("init", meta=0)
-        if may_generate_from(self.schedule, u):
-            self.rollouts.remember(u, self.learner.export)
-        else:
-            self.rollouts.drop(u)  # written by an evaluation; no batch is generated from it
-        self.rollouts.forget_before(self.schedule.oldest_needed(u))
+        with self.timers("export"):
+            if plan.refresh_reference and plan.reference_version == u and \
+                    self.cfg.reference.mode == "snapshot":
+                snapshots.save("reference", meta=u)
+            if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
+                snapshots.save("init", meta=0)
+            if may_generate_from(self.schedule, u):
+                self.rollouts.remember(u, self.learner.export)
+            else:
+                self.rollouts.drop(u)  # written by an evaluation; no batch is generated from it
+            self.rollouts.forget_before(self.schedule.oldest_needed(u))
 
     def new_batch(self, plan) -> None:
         self.loop.batch = self.rollouts.collect(plan.batch, plan.group_versions)
@@ -217,6 +218,10 @@ class Trainer:
 
     def rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         """Reward, accuracy, staleness, lengths and throughput of this update's minibatch (global)."""
+        with self.timers("log"):
+            return self._rollout_metrics(plan, minibatch)
+
+    def _rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         samples, device = minibatch, self.groups.device
         correct = self.rollouts.correct
         stale = [plan.update - s.version for s in samples]

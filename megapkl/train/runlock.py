@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megapkl.errors import MegapklError
+
 LOCK = ".lock"
 
 
-class RunLockError(RuntimeError):
+class RunLockError(MegapklError, RuntimeError):
     """The run directory is in use by a live run."""
 
 

@@ -1,4 +1,9 @@
-"""Helpers for the fault tests: tiny CPU trainer runs in forked ranks (megatron imported once)."""
+"""Helpers for the fault tests: tiny CPU trainer runs in forked ranks (megatron imported once), and
+two `megapkl serve` workers for the tests whose ranks talk to SGLang-API servers."""
+import contextlib
+import sys
+from pathlib import Path
+
 import pytest
 
 from megapkl.config import load_config
@@ -34,3 +39,19 @@ def _rank(rank, world, cfg, patch):
     from megapkl.train.loop import run
 
     return run(cfg)
+
+
+@contextlib.contextmanager
+def two_serve_workers(tmp_path: Path):
+    """Two healthy `megapkl serve` workers (tests/rollout/sglang_fixtures.py: `.url`, `.proc`),
+    stopped afterwards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    from sglang_fixtures import start_worker, wait_healthy
+
+    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
+    try:
+        wait_healthy(workers)
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()

@@ -43,25 +43,6 @@ def live_children(pid: int) -> list[str]:
     return out
 
 
-def processes_with_env(token: str) -> list[str]:
-    """Live processes whose environment holds `token` (NAME=VALUE): a run's descendants."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            if token.encode() not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                continue
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if stat[stat.rindex(")") + 2:].split()[0] == "Z":
-                continue
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        out.append(f"{entry} {cmd.strip()}")
-    return out
-
-
 def tensorboard_steps(run_dir: Path) -> list[int]:
     """The steps of the scalars in the run's TensorBoard event files (what reached the disk)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -4,13 +4,13 @@ Before, the other rank waited in a collective until the process-group timeout (h
 
 Each fault is real code failing on rank 1 only: a policy version file missing from its view of
 the run directory (VersionStoreError), a pushed weight of the wrong shape (WeightUpdateError), a
-server refusing the request with HTTP 400, the user's reward function raising. The fifth, an
-engine outage, is test_engine_outage.py. Each rank's exit, measured from the fault, is printed."""
+server refusing the request with HTTP 400, the user's reward function raising, its SGLang server
+killed (an engine outage; test_engine_outage.py also resumes after one). Each rank's exit,
+measured from the fault, is printed."""
 from __future__ import annotations
 
-import contextlib
 import re
-import sys
+import signal
 import time
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import pytest
 from megapkl.train import checkpointing as ckpt
 from megapkl.train.metrics_log import read_metrics
 
-from .conftest import tiny_cfg
+from .conftest import tiny_cfg, two_serve_workers
 from .exits import assert_closed, checked_run, read_facts
 
 EXIT_WITHIN_S = 30.0  # the process-group timeout of these ranks is 300 s
@@ -133,20 +133,6 @@ def test_a_failure_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path, case
 
 # ------------------------------------------------------------------ an HTTP 4xx from a server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-from sglang_fixtures import start_worker, wait_healthy  # noqa: E402
-
-
-@contextlib.contextmanager
-def _two_workers(tmp_path: Path):
-    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
-    try:
-        wait_healthy(workers)
-        yield [w.url for w in workers]
-    finally:
-        for w in workers:
-            w.stop()
-
 
 def _rank_with_own_config(rank, world, cfgs, marks):  # noqa: ARG001
     def inject(rank):
@@ -172,7 +158,8 @@ def test_an_http_4xx_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
     marks, run = tmp_path / "marks", tmp_path / "run"
     sglang = ["rollout.engine=sglang", "rollout.sglang.startup_timeout_s=120",
               "rollout.sglang.max_retries=1", "train.steps=3", "logging.tensorboard=true"]
-    with _two_workers(tmp_path) as urls:
+    with two_serve_workers(tmp_path) as workers:
+        urls = [w.url for w in workers]
         cfgs = [tiny_cfg(run, *sglang, f'rollout.sglang.urls=["{urls[r]}"]',
                          *(["rollout.topk_logprobs=100000"] if r == 1 else []), data=2)
                 for r in range(2)]
@@ -188,4 +175,56 @@ def test_an_http_4xx_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
     took = [round(f["exit"] - float((marks / "fault").read_text()), 2)
             for _, f in sorted(facts.items())]
     print(f"\nhttp-4xx: ranks 0, 1 left run() {took} s after the fault on rank 1")
+    assert max(took) < EXIT_WITHIN_S, took
+
+
+def _rank_whose_server_dies(rank, world, cfgs, marks, victim):  # noqa: ARG001
+    """Rank 1 kills its own server (SIGKILL) right before it generates update 2's batch (the
+    first from policy version 2)."""
+    def inject(rank):
+        if rank != 1:
+            return
+        import os
+
+        from megapkl.rollout.engine import RolloutEngineError
+        from megapkl.rollout.sglang.client import SGLangEngine
+
+        real = SGLangEngine.generate
+
+        def generate(self, *args, **kwargs):
+            if self.version == 2 and not (marks / "killed").exists():  # update 2's batch
+                (marks / "killed").touch()
+                os.kill(victim, signal.SIGKILL)
+            try:
+                return real(self, *args, **kwargs)
+            except RolloutEngineError:
+                _mark_fault(marks)
+                raise
+
+        SGLangEngine.generate = generate
+    return checked_run(rank, world, cfgs[rank], marks, inject)
+
+
+def test_an_engine_outage_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
+    marks, run = tmp_path / "marks", tmp_path / "run"
+    sglang = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
+              "rollout.sglang.health_timeout_s=3", "rollout.sglang.no_engine_timeout_s=2",
+              "rollout.sglang.max_retries=1", "rollout.sglang.startup_timeout_s=120",
+              "train.steps=4", "logging.tensorboard=true"]
+    with two_serve_workers(tmp_path) as workers:
+        cfgs = [tiny_cfg(run, *sglang, f'rollout.sglang.urls=["{w.url}"]', data=2)
+                for w in workers]
+        dist_run(_rank_whose_server_dies, 2, cfgs, marks, workers[1].popen.pid, timeout=300)
+    facts = read_facts(marks)
+    errors = {f["error"] for f in facts.values()}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error.startswith("EnginesStopped: update 2: the rollout's engines failed: "), error
+    assert workers[0].url not in error and workers[1].url in error, error
+    saved = run / "checkpoints" / "step_00000002"
+    assert f"checkpoint {saved} holds the 2 finished updates" in error, error
+    assert_closed(facts, run, rows=2)
+    took = [round(f["exit"] - float((marks / "fault").read_text()), 2)
+            for _, f in sorted(facts.items())]
+    print(f"\nengine-outage: ranks 0, 1 left run() {took} s after the engine failed on rank 1")
     assert max(took) < EXIT_WITHIN_S, took

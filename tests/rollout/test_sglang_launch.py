@@ -12,7 +12,7 @@ from megapkl.config import load_config
 from megapkl.models.spec import hf_config_dict, load_spec
 from megapkl.rollout.fp8 import QUANTIZATION_CONFIG, read_quantization_config
 from megapkl.rollout.sglang.build import engine_slots, served_model_dir
-from megapkl.rollout.sglang.launch import (LaunchError, plan_servers, releases_memory,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, plan_servers, releases_memory,
                                            server_command)
 from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout,
                                               check_fleets, colocated_gpus, fleet_slots)
@@ -88,7 +88,7 @@ def test_the_config_only_model_declares_eos(tmp_path):
     """--skip-tokenizer-init: SGLang's EOS comes from config.json alone."""
     path, _ = _served(_cfg(), tmp_path, _Tok())
     assert json.loads((Path(path) / "config.json").read_text())["eos_token_id"] == 151643
-    with pytest.raises(LaunchError, match="eos_token_id.*model.tokenizer"):
+    with pytest.raises(ServerLaunchError, match="eos_token_id.*model.tokenizer"):
         _served(_cfg(), tmp_path / "x", tokenizer=None)
 
 
@@ -157,7 +157,7 @@ def test_each_server_gets_its_own_base_gpu_id(tmp_path, monkeypatch):
                              slots=slots, make_cmd=lambda h, p, g: _cmd(cfg, gpu=g))
         seen += [int(_flag(s.cmd, "--base-gpu-id")) for s in specs]
     assert sorted(seen) == list(range(8))
-    with pytest.raises(LaunchError, match="num_engines"):
+    with pytest.raises(ServerLaunchError, match="num_engines"):
         _slots(_cfg("parallel.data=4", "parallel.context=2", "rollout.sglang.num_engines=3"),
                0, 4)
 

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
-from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_address, pick_ports,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address, pick_ports,
                                            plan_servers, releases_memory, router_command,
                                            server_command, slurm_nodes, this_node, wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
@@ -51,7 +51,7 @@ def _eos_token_id(sg: Any, base: dict, tokenizer: Any) -> Any:
             return eos
     if sg.server_command:
         return None  # a stand-in server (megapkl serve) knows its own EOS
-    raise LaunchError("rollout.sglang: the served model has no eos_token_id (no "
+    raise ServerLaunchError("rollout.sglang: the served model has no eos_token_id (no "
                       "model.hf_checkpoint config.json declares one, and no tokenizer is given: "
                       "set model.tokenizer); SGLang would never stop a response at EOS")
 
@@ -106,7 +106,7 @@ def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
                            replica=replica, nodes=max(1, len(slurm_nodes())),
                            gpus_per_node=gpus)
     except PlacementError as exc:
-        raise LaunchError(str(exc)) from None
+        raise ServerLaunchError(str(exc)) from None
 
 
 def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
@@ -122,7 +122,7 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
 def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
                  ) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
-    everything started is stopped and LaunchError names the server and its log. `ctx`: the
+    everything started is stopped and ServerLaunchError names the server and its log. `ctx`: the
     engine context (megapkl.rollout.factory.EngineContext)."""
     sg, health, replica = rollout.sglang, health_settings(rollout.sglang), ctx.replica
     model_path, dummy = served_model_dir(rollout, ctx, hf_config, work, tokenizer)
@@ -130,7 +130,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
     slots = None if sg.server_command else engine_slots(rollout, ctx)
     if slots is not None and sg.colocate and sg.weight_sync == "distributed" \
             and group_backend() == "nccl":
-        raise LaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
+        raise ServerLaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
                           "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
                           "tensor or disk, or rollout.sglang.colocate false")
 
@@ -175,8 +175,8 @@ def connect_fleet(sg: Any) -> Fleet:
         try:
             wait_healthy(None, url, first_wait_s=0.0, interval_s=min(health.interval_s, 1.0),
                          timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
-        except LaunchError as exc:
-            raise LaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
+        except ServerLaunchError as exc:
+            raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
     with ThreadPoolExecutor(len(named)) as pool:
         for f in [pool.submit(one, x) for x in named]:
             f.result()
