@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -71,9 +73,13 @@ class CheckpointManager:
         """Collective: the step-`step` checkpoint, written atomically unless this run saved (or
         resumed from) it already; returns its directory."""
         if self.saved != step:
+            t0 = time.perf_counter()
             with self.timers("checkpoint"):
-                save(self.cfg, self.parts, step, self.layout)
+                path = save(self.cfg, self.parts, step, self.layout)
             self.saved = step
+            if dist.get_rank() == 0:
+                print(f"[megapkl.train] saved checkpoint {path} in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
         return step_dir(self.cfg, step)
 
     def save_finished(self, update: int) -> str:
