@@ -39,15 +39,16 @@ def r3_worker(rank, world, cfg):
     from megapkl.models.chunks import model_chunks
     from megapkl.rollout.sglang.client import SGLangEngine
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
-    t = Trainer(cfg)
+    t = Trainer(cfg, RunContext().__enter__())  # open for the rank's life
     assert isinstance(t.rollouts.engine, SGLangEngine)
     with torch.no_grad():  # louder experts (the random init's are faint): routing shows in logp
         for chunk in model_chunks(t.learner.model):
             for name, p in chunk.named_parameters():
                 if "mlp.experts" in name and "linear_fc2" in name:
                     p.mul_(EXPERT_GAIN)
-    t.keep_weights(0)  # the engine gets the trainer's weights, gain included
+    t.keep_weights(t.schedule.plan(0))  # the engine gets the trainer's weights, gain included
     samples = t.rollouts.collect(0, [0] * cfg.rollout.prompts_per_batch)
     assert samples and all(s.version == 0 and s.routed_experts is not None for s in samples)
     shapes = {tuple(s.routed_experts.shape[1:]) for s in samples}
