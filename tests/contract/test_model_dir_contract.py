@@ -14,14 +14,16 @@ import pytest
 from megapkl_side import launched
 
 
-@pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_r3_tp2_ep2"])
+@pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_fp8_context", "moe_r3_tp2_ep2"])
 def test_fp8_rollouts_get_sglangs_block_fp8(sglang, name, tmp_path, monkeypatch):
+    """SGLang resolves block FP8 from the served directory and the server's whole command line
+    (no `--quantization` flag is needed; one that disagreed with the config would show here)."""
     from megapkl.rollout.fp8 import BLOCK
 
     run = launched(name, tmp_path, monkeypatch)
     assert run.cfg.rollout.fp8
     got = sglang.call("quant_config", run.sglang_argv())
-    assert got["cls"] == "Fp8Config"
+    assert (got["quantization"], got["cls"]) == ("fp8", "Fp8Config"), got
     assert got["checkpoint_fp8"] is True, got  # weights arrive as e4m3 + weight_scale_inv
     assert list(got["weight_block_size"]) == list(BLOCK), got
     assert got["activation_scheme"] == "dynamic", got

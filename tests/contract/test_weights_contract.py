@@ -77,8 +77,18 @@ def _push(sglang, run, mode: str, tmp_path):
 
 
 def _same(sent, received) -> None:
-    assert [n for n, *_ in received] == [n for n, _ in sent]
-    for (name, t), (_, dtype, shape, data) in zip(sent, received):
+    """SGLang received every tensor megapkl sent, each once, bit for bit, under its name (the order
+    is the sender's business: a flattened bucket goes by element size)."""
+    from collections import Counter
+
+    names = Counter(n for n, *_ in received)
+    assert names == Counter(n for n, _ in sent), (
+        f"missing {sorted(Counter(n for n, _ in sent) - names)}, unexpected or repeated "
+        f"{sorted(names - Counter(n for n, _ in sent))}")
+    assert all(c == 1 for c in names.values()), names.most_common(3)
+    got = {name: rest for name, *rest in received}
+    for name, t in sent:
+        dtype, shape, data = got[name]
         assert dtype == str(t.dtype).replace("torch.", ""), name
         assert shape == list(t.shape), name
         assert data == t.contiguous().view(torch.uint8).numpy().tobytes(), name
