@@ -23,7 +23,7 @@ def test_fp8_rollouts_get_sglangs_block_fp8(sglang, name, tmp_path, monkeypatch)
     run = launched(name, tmp_path, monkeypatch)
     assert run.cfg.rollout.fp8
     got = sglang.call("quant_config", run.sglang_argv())
-    assert (got["quantization"], got["cls"]) == ("fp8", "Fp8Config"), got
+    assert (got["quantization"], got.get("cls")) == ("fp8", "Fp8Config"), got
     assert got["checkpoint_fp8"] is True, got  # weights arrive as e4m3 + weight_scale_inv
     assert list(got["weight_block_size"]) == list(BLOCK), got
     assert got["activation_scheme"] == "dynamic", got
