@@ -46,7 +46,7 @@ MECHANISM_METRICS = ("pkl/credit_p10", "pkl/credit_p50", "pkl/credit_p90", "pkl/
 @dataclass(frozen=True)
 class Criteria:
     metric: Optional[str] = None    # primary; None: the evaluation when logged, else train/accuracy
-    ema_alpha: float = 0.2          # smoothing of curves, thresholds and collapses
+    ema_alpha: float = 0.2          # smoothing per update of curves, thresholds and collapses
     threshold: float = 0.9          # updates until the smoothed metric reaches it
     final_window: float = 0.1       # fraction of the curve's points averaged for the final value
     collapse_drop: float = 0.2      # ending this far below the running best is a collapse
@@ -193,12 +193,19 @@ def series(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def smoothing(xs: Sequence[float], alpha: float) -> float:
+    """The EMA weight per point that smooths like `alpha` per update: points k updates apart
+    (an evaluation every k updates) take 1 - (1 - alpha)^k."""
+    k = float(np.median(np.diff(xs))) if len(xs) > 1 else 1.0
+    return 1 - (1 - alpha) ** max(k, 1.0)
+
+
 def run_summary(rows: list[dict], metric: str, c: Criteria) -> dict[str, Any]:
     """One run's numbers for `metric`; `updates_to_threshold` is None when never reached."""
     xs, ys = series(rows, metric)
     if not ys:
         raise ValueError(f"no values of {metric}")
-    smooth = st.ema(ys, c.ema_alpha)
+    smooth = st.ema(ys, smoothing(xs, c.ema_alpha))
     window = max(1, int(round(c.final_window * len(ys))))
     hit = st.first_reaching(smooth, c.threshold)
     return {"final": st.final_value(ys, window), "auc": st.area_under_curve(ys),
@@ -321,7 +328,7 @@ def report_markdown(cmp: Comparison, summary: dict[str, Any], plots: Sequence[Pa
                 r = t[key]
                 lines.append(f"| {m} | {_fmt(r['mean'])} | [{_fmt(r['low'])}, {_fmt(r['high'])}] "
                              f"| {_fmt(r['iqm'])} | {', '.join(_fmt(v) for v in r['values'])} |")
-            if secondary:
+            if secondary or not block["pairs"][key]:
                 lines.append("")
                 continue
             lines += ["", "| difference | mean | t interval | d_z | p | Holm p | BCa interval "
@@ -379,7 +386,7 @@ def plot_bands(cmp: Comparison, metrics: Sequence[str]) -> list[Path]:
         drawn = False
         for i, m in enumerate(cmp.methods):
             runs = [series(rows, metric) for rows in cmp.runs[m].values()]
-            runs = [(x, st.ema(y, c.ema_alpha)) for x, y in runs if y]
+            runs = [(x, st.ema(y, smoothing(x, c.ema_alpha))) for x, y in runs if y]
             if not runs:
                 continue
             T = min(len(y) for _, y in runs)

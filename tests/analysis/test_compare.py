@@ -10,7 +10,7 @@ import pytest
 
 from megapkl.analysis import compare_stats as st
 from megapkl.analysis.compare import (Arm, Comparison, Criteria, method_overrides, plan_arms,
-                                      report_markdown, run_summary, summarize)
+                                      report_markdown, run_summary, smoothing, summarize)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs" / "demo" / "cpu_demo.yaml")
@@ -39,6 +39,12 @@ def test_run_summary_by_hand():
     # evaluation points sit at the version they evaluated: updates 2 and 4
     ev = run_summary(_rows([0.1, 0.5, 0.7, 0.95], eval_every=2), "eval/micro_avg/accuracy", c)
     assert ev["updates_to_threshold"] == 4.0 and ev["auc"] == pytest.approx((0.55 + 1.0) / 2)
+    # an evaluation every 10 updates is smoothed with the time constant of alpha per update
+    assert smoothing([1, 2, 3], 0.2) == pytest.approx(0.2)
+    assert smoothing([0, 10, 20, 30], 0.2) == pytest.approx(1 - 0.8 ** 10)
+    slow = Criteria(metric="eval/micro_avg/accuracy", ema_alpha=0.2, threshold=0.85)
+    rows = _rows([0.0] * 10 + [0.95] * 10, eval_every=10)  # points 0.05 at 10, 1.0 at 20
+    assert run_summary(rows, "eval/micro_avg/accuracy", slow)["updates_to_threshold"] == 20.0
 
 
 def test_summary_pairs_by_seed_adjusts_and_says_what_is_resolved(tmp_path):
