@@ -2,14 +2,16 @@
 
     python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
     python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
+    python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
 
 `run` trains every setting of the chosen families through `megapkl compare` (arms are exactly their
 presets on configs/study/repeat_next.yaml, plus the family's declared overrides), one run after
 another. A run whose metrics.jsonl already holds its last update is kept, so the study can be run
 in several parts and resumes where it stopped; each run's code version (git commit, and whether
 the tracked tree had local changes) and wall time go to OUT/<setting>/runs.json. `analyze` reads
-each setting's summary.json (per-seed values), copies it with runs.json to --docs/<setting>.json,
-and prints the declared tests: paired differences and difference-in-differences by seed, paired t
+each setting's finished runs (recomputing its summary.json, the per-seed values), copies that with
+runs.json to --docs/<setting>.json (and reads those copies when given that folder), and prints the
+declared tests: paired differences and difference-in-differences by seed, paired t
 with Holm's adjustment within each family, and the verdict of each claim.
 """
 from __future__ import annotations
@@ -216,8 +218,15 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
     for fam in FAMILIES.values():
         for s in fam.settings:
             path = out / s.name / "summary.json"
+            done = finished_seeds(out / s.name, s) if (out / s.name).is_dir() else []
+            if len(done) >= 2:  # recompute from the runs with this code's analysis
+                compare(BASE, s.methods, done, s.overrides, out=out / s.name, criteria=CRITERIA,
+                        analyze_only=True)
             if path.exists():
                 summaries[s.name] = json.loads(path.read_text())
+            elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
+                summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
+                continue
                 if docs is not None:
                     runs = out / s.name / "runs.json"
                     docs.mkdir(parents=True, exist_ok=True)

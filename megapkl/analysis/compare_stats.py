@@ -109,7 +109,8 @@ def paired_t(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, se
         raise ValueError(f"paired test: {len(a)} values against {len(b)} (one per seed each)")
     d = a - b
     n, m, sd = len(d), float(d.mean()), float(d.std(ddof=1))
-    if sd == 0:  # every seed moved by the same amount: the t statistic is 0/0 or infinite
+    if np.allclose(d, d[0], rtol=1e-12, atol=1e-15):
+        # every seed moved by the same amount (up to rounding): t is 0/0 or infinite
         return PairedTest(m, m, m, 1.0 if m == 0 else 0.0, n, 0.0,
                           0.0 if m == 0 else math.copysign(math.inf, m), m, m)
     res = stats.ttest_rel(a, b)
