@@ -224,9 +224,6 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
                         analyze_only=True)
             if path.exists():
                 summaries[s.name] = json.loads(path.read_text())
-            elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
-                summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
-                continue
                 if docs is not None:
                     runs = out / s.name / "runs.json"
                     docs.mkdir(parents=True, exist_ok=True)
@@ -234,6 +231,8 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
                         {"summary": summaries[s.name],
                          "runs": json.loads(runs.read_text()) if runs.exists() else {}},
                         indent=1) + "\n")
+            elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
+                summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
     for key, fam in FAMILIES.items():
         print(f"### {key}: {fam.claim}\n")
         have = [s.name for s in fam.settings if s.name in summaries]

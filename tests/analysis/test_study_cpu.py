@@ -67,3 +67,27 @@ def test_difference_in_differences_pairs_settings_by_seed():
     ref = st.paired_t([0.2, 0.1, 0.3], [0.0, 0.0, 0.0])
     assert (r.low, r.high, r.p) == (pytest.approx(ref.low), pytest.approx(ref.high), pytest.approx(ref.p))
     assert len(results) == 4 and study.verdict(results, 4).startswith(("not resolved", "supported"))
+
+
+def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
+    """`analyze OUT --docs D` copies each setting's per-seed summary (and run record) to D, and
+    `analyze D` prints the same tables and tests from those copies alone."""
+    import json
+
+    from megapkl.analysis.compare import Comparison, summarize
+
+    rows = lambda v: [{"step": i, "train/accuracy": x, "eval/micro_avg/accuracy": x,  # noqa: E731
+                       "eval/version": i + 1} for i, x in enumerate(v)]
+    cmp = Comparison(tmp_path, ["tetpo", "gepo", "m2po", "grpo"], [0, 1, 2], study.CRITERIA)
+    cmp.runs = {m: {s: rows([0.1 * s, 0.2 + d, 0.5 + d + 0.01 * s]) for s in range(3)}
+                for m, d in (("tetpo", 0.3), ("gepo", 0.0), ("m2po", 0.1), ("grpo", 0.2))}
+    (tmp_path / "out" / "tetpo_u16").mkdir(parents=True)
+    (tmp_path / "out" / "tetpo_u16" / "summary.json").write_text(json.dumps(summarize(cmp)))
+    (tmp_path / "out" / "tetpo_u16" / "runs.json").write_text('{"tetpo/seed-0": {"commit": "abc"}}')
+    study.analyze(tmp_path / "out", tmp_path / "docs")
+    first = capsys.readouterr().out
+    copy = json.loads((tmp_path / "docs" / "tetpo_u16.json").read_text())
+    assert copy["runs"] == {"tetpo/seed-0": {"commit": "abc"}}
+    study.analyze(tmp_path / "docs", None)
+    assert capsys.readouterr().out == first
+    assert "| tetpo - gepo at tetpo_u16 | 0.2 |" in first and "**Verdict: supported" in first
