@@ -10,7 +10,8 @@ another. A run whose metrics.jsonl already holds its last update is kept, so the
 in several parts and resumes where it stopped; each run's code version (git commit, and whether
 the tracked tree had local changes) and wall time go to OUT/<setting>/runs.json. `analyze` reads
 each setting's finished runs (recomputing its summary.json, the per-seed values), copies that with
-runs.json to --docs/<setting>.json (and reads those copies when given that folder), and prints the
+runs.json to --docs/<setting>.json with the primary curve as <setting>.png (and reads those copies
+when given that folder), and prints the
 declared tests: paired differences and difference-in-differences by seed, paired t
 with Holm's adjustment within each family, and the verdict of each claim.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -231,6 +233,9 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
                         {"summary": summaries[s.name],
                          "runs": json.loads(runs.read_text()) if runs.exists() else {}},
                         indent=1) + "\n")
+                curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
+                if curve.exists():
+                    shutil.copyfile(curve, docs / f"{s.name}.png")
             elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
                 summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
     for key, fam in FAMILIES.items():
