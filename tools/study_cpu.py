@@ -204,7 +204,8 @@ def verdict(results: list[tuple], expected: int) -> str:
 def method_table(summaries: dict, setting: str) -> list[str]:
     block = summaries[setting]["metrics"][PRIMARY]["methods"]
     lines = [f"**{setting}** (n = {len(summaries[setting]['seeds'])} seeds)", "",
-             "| method | mean eval accuracy over the run | final | reached 0.9 | KM median updates | collapsed |",
+             "| method | mean eval accuracy over the run | final | reached 0.9 | KM median updates "
+             "| collapsed |",
              "|---|---|---|---|---|---|"]
     for m, t in block.items():
         a, f, r = t["auc"], t["final"], t["updates_to_threshold"]

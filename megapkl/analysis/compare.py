@@ -396,8 +396,8 @@ def plot_bands(cmp: Comparison, metrics: Sequence[str]) -> list[Path]:
             ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.2, linewidth=0)
             drawn = True
         if drawn:
-            ax.set_title(f"{metric}: mean over seeds, {c.level:.0%} t band (EMA {c.ema_alpha}/update)",
-                         fontsize=9)
+            ax.set_title(f"{metric}: mean over seeds, {c.level:.0%} t band "
+                         f"(EMA {c.ema_alpha}/update)", fontsize=9)
             ax.set_xlabel("optimizer updates")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
