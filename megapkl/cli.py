@@ -69,7 +69,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the run config, then train on this machine (forked gloo ranks when DP/TP > 1)."""
+    """Validate the run config, then train on this machine (a process per GPU, or forked gloo
+    ranks on a CPU machine, when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides)
     from megapkl import runlog
     from megapkl.train.checkpointing import preflight
@@ -99,7 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Every method x seed, then curves with bootstrap bands and a report with intervals."""
+    """Every method x seed, then curves with bands and a report with paired intervals."""
     from megapkl.analysis.compare import Criteria, compare, headline
 
     cfg = _load(args.config, args.overrides)
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from megapkl.launch.cli import _IntermixedParser
 
-    cmp = sub.add_parser("compare", help="methods x seeds with bootstrap intervals and a report")
+    cmp = sub.add_parser("compare", help="methods x seeds with paired intervals and a report")
     cmp.__class__ = _IntermixedParser  # KEY=VALUE overrides may follow the options
     cmp.add_argument("config", help="base run config YAML")
     cmp.add_argument("--methods", required=True,
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--profile", default=None, help="run on Slurm with this cluster profile")
     cmp.add_argument("--parallelism", type=int, default=None, help="Slurm array parallelism")
     cmp.add_argument("--analyze", action="store_true", help="only analyze finished runs")
-    cmp.add_argument("--metric", default="train/accuracy", help="metric to compare")
+    cmp.add_argument("--metric", default=None, help="primary metric (default: the in-training "
+                     "evaluation eval/micro_avg/accuracy when the runs log it, else train/accuracy)")
     cmp.add_argument("--threshold", type=float, default=0.9, help="for updates-to-threshold")
     cmp.add_argument("--ema", type=float, default=0.2, help="EMA alpha of curves (default 0.2)")
     cmp.add_argument("--collapse-drop", type=float, default=0.2,

@@ -21,3 +21,19 @@ if [ -n "$extra" ]; then
 else
   "${PIP[@]}" -e .
 fi
+# The test environment holds the pinned sglang (the `gpu` extra's), without its dependencies: the
+# contract tests (tests/contract/) run its CPU-side code against what megapkl produces. The wheel is
+# fetched once into a cache (MEGAPKL_WHEEL_CACHE, default ~/.cache/megapkl/wheels), so no test
+# downloads anything; the CPU packages its modules import come with the `contract` extra.
+if [ "$extra" = "test" ]; then
+  SGLANG="$(sed -n 's/.*"sglang==\([^"]*\)".*/\1/p' pyproject.toml | head -n1)"
+  if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)" != "$SGLANG" ]; then
+    CACHE="${MEGAPKL_WHEEL_CACHE:-$HOME/.cache/megapkl/wheels}"
+    mkdir -p "$CACHE"
+    if ! ls "$CACHE"/sglang-"$SGLANG"-*.whl >/dev/null 2>&1; then
+      .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+        --only-binary=:all: "sglang==$SGLANG" -d "$CACHE"
+    fi
+    "${PIP[@]}" --no-deps "$(ls "$CACHE"/sglang-"$SGLANG"-*.whl | head -n1)"
+  fi
+fi

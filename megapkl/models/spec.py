@@ -201,7 +201,7 @@ def spec_from_hf_config(config: str | os.PathLike | Mapping[str, Any], name: str
         num_query_groups=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         ffn_hidden_size=config["intermediate_size"],
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(config),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=config.get("max_position_embeddings", 40960),
@@ -210,13 +210,22 @@ def spec_from_hf_config(config: str | os.PathLike | Mapping[str, Any], name: str
     _reject_unsupported_hf(config)
     if model_type == "qwen3_moe":
         values.update(
-            num_experts=config["num_experts"],
+            # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+            num_experts=config["num_experts"] if "num_experts" in config else config["num_local_experts"],
             moe_router_topk=config["num_experts_per_tok"],
             moe_ffn_hidden_size=config["moe_intermediate_size"],
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
         )
     return validate(ModelSpec(**values))
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    """transformers 5 writes `rope_parameters: {rope_type, rope_theta}`; 4.x wrote `rope_theta`."""
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise SpecError(f"rope_parameters: RoPE type {rope['rope_type']!r} is not supported")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _reject_unsupported_hf(config: Mapping[str, Any]) -> None:
@@ -252,12 +261,16 @@ def hf_config_dict(spec: ModelSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.init_method_std,
         rms_norm_eps=spec.rms_norm_eps,
+        # transformers 5 reads rope_parameters and dtype; 4.x readers (and older tools) read
+        # rope_theta and torch_dtype: write both so neither falls back to a default silently.
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         rope_theta=spec.rope_theta,
         rope_scaling=None,
         attention_bias=False,
         attention_dropout=0.0,
         use_sliding_window=False,
         tie_word_embeddings=spec.tie_word_embeddings,
+        dtype=dtype,
         torch_dtype=dtype,
     )
     if spec.is_moe:

@@ -65,11 +65,72 @@ def iter_safetensors(directory: Union[str, os.PathLike]) -> Iterator[tuple[str, 
                 yield name, handle.get_tensor(name)
 
 
+def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A transformers model's weights under its checkpoint's names and shapes: transformers 5 keeps
+    a Qwen3-MoE block's experts fused in memory (`experts.gate_up_proj` [E, 2I, H] with the gate
+    rows first, `experts.down_proj` [E, H, I]) and splits them only when it saves. A tied lm_head
+    is left out, as a saved checkpoint leaves it out."""
+    for name, t in model.named_parameters():
+        t = t.detach()
+        base, _, leaf = name.rpartition(".")
+        if base.endswith("mlp.experts") and leaf == "gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.gate_proj.weight", t[e, :inter]
+                yield f"{base}.{e}.up_proj.weight", t[e, inter:]
+        elif base.endswith("mlp.experts") and leaf == "down_proj":
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+class _Experts(nn.ModuleList):
+    """A sparse block's experts as one SwiGLU MLP per expert, in the checkpoint's layout.
+
+    transformers 5 fuses a Qwen3-MoE block's experts into 3-D parameters (`gate_up_proj`,
+    `down_proj`) and converts checkpoint names only inside `from_pretrained`. The engine's weights
+    arrive by the checkpoint's names (`mlp.experts.<e>.gate_proj.weight`, ...), FP8 quantizes each
+    expert's linear layers block by block and W8A8 quantizes each linear layer's input, so the
+    engine keeps one `nn.Linear` per projection and computes what the fused module does: for every
+    expert hit, down(act(gate(x)) * up(x)) weighted by its routing score."""
+
+    def __init__(self, fused: nn.Module):
+        hidden, inter = fused.hidden_dim, fused.intermediate_dim
+        super().__init__(_ExpertMLP(hidden, inter) for _ in range(fused.num_experts))
+        self.act_fn = fused.act_fn
+
+    def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(top_k_index).tolist():
+            token, slot = torch.where(top_k_index == e)
+            mlp, x = self[e], hidden[token]
+            y = mlp.down_proj(self.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class _ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+
+def _unfuse_experts(model: nn.Module) -> None:
+    """Replace every fused experts module (transformers 5) by `_Experts`."""
+    for name, module in list(model.named_modules()):
+        fused = getattr(module, "experts", None)
+        if name.endswith("mlp") and fused is not None and hasattr(fused, "gate_up_proj"):
+            module.experts = _Experts(fused)
+
+
 class _ExpertRecorder:
     """Captures the MoE routers' top-k choices, one [B, S, layers, k] int32 tensor per forward.
 
-    Hooks sit on each sparse block's `gate` (the router linear); the top-k is taken exactly as the
-    transformers Qwen3-MoE block does (float softmax, then topk), so ties resolve the same way."""
+    Hooks sit on each sparse block's `gate` (the router), which returns (logits, scores, expert
+    indices): the indices recorded are the ones the block routes with."""
 
     def __init__(self, gates: list[nn.Module], top_k: int):
         self.top_k = top_k
@@ -80,8 +141,7 @@ class _ExpertRecorder:
 
     def _hook(self, module, inputs, output) -> None:
         if self.active:
-            probs = torch.softmax(output, dim=-1, dtype=torch.float)
-            self._pending.append(torch.topk(probs, self.top_k, dim=-1).indices.to(torch.int32))
+            self._pending.append(output[2].to(torch.int32))
 
     def end_forward(self, batch: int, seq: int) -> None:
         if self.active:
@@ -139,7 +199,8 @@ class EmbeddedEngine(RolloutEngine):
         with torch.device(self.device):
             model = AutoModelForCausalLM.from_config(self.config,
                                                      attn_implementation=attn_implementation)
-        self.model = model.to(dtype).eval().requires_grad_(False)
+        _unfuse_experts(model)
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.eos_token_ids = self._default_eos(eos_token_ids, tokenizer)
         self.pad_token_id = self._default_pad(pad_token_id, tokenizer)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -166,7 +227,7 @@ class EmbeddedEngine(RolloutEngine):
         """An engine with a copy of a transformers model's config and current weights."""
         kwargs.setdefault("dtype", next(model.parameters()).dtype)
         engine = cls(model.config, **kwargs)
-        engine.update_weights(model.state_dict().items(), version=version)
+        engine.update_weights(checkpoint_tensors(model), version=version)
         return engine
 
     def _fp8_block(self, fp8: bool) -> Optional[tuple[int, int]]:
@@ -215,8 +276,7 @@ class EmbeddedEngine(RolloutEngine):
     def _make_recorder(self) -> Optional[_ExpertRecorder]:
         experts = getattr(self.config, "num_experts", None)
         top_k = getattr(self.config, "num_experts_per_tok", None)
-        gates = [m for name, m in self.model.named_modules()
-                 if name.endswith("mlp.gate") and isinstance(m, nn.Linear)]
+        gates = [m for name, m in self.model.named_modules() if name.endswith("mlp.gate")]
         if not experts or not top_k or not gates:
             return None
         return _ExpertRecorder(gates, int(top_k))

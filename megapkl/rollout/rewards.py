@@ -117,7 +117,10 @@ class MathReward(Reward):
 
 
 class SyntheticReward(Reward):
-    """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`)."""
+    """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`).
+    A task with partial credit (`task.fraction_correct(ids, answer)` in [0, 1], e.g. count_up_8)
+    scores incorrect + (correct - incorrect) * fraction, and `correct` only when all of it is right,
+    so `accuracy` still counts fully correct responses."""
 
     def __init__(self, task: Any, correct: float = 1.0, incorrect: float = -1.0):
         super().__init__(correct, incorrect)
@@ -129,6 +132,17 @@ class SyntheticReward(Reward):
         except Exception as e:  # a task bug must not look like a crash of the run either
             log.debug("synthetic reward: %s", e)
             return False
+
+    def score(self, sample: Sample) -> float:
+        fraction = getattr(self.task, "fraction_correct", None)
+        if fraction is None or self.is_correct(sample):
+            return super().score(sample)
+        try:
+            f = float(fraction(sample.response_ids, sample.answer))
+        except Exception as e:
+            log.debug("synthetic reward: %s", e)
+            return self.incorrect
+        return self.incorrect + (self.correct - self.incorrect) * min(max(f, 0.0), 1.0)
 
 
 class GroupReward(Reward):

@@ -27,9 +27,10 @@ import torch
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sglang.http import is_loopback
 from megapkl.rollout.sample import PromptItem, Sample
-from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _require, _spans,
+from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _spans,
                                             encode_routed_experts, expand_layers, finish_reason,
-                                            parse_generate, parse_sampling)
+                                            parse_generate, parse_sampling, validate_body,
+                                            validation_error)
 from megapkl.serve.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
                                          _Interrupted)
 
@@ -51,6 +52,9 @@ class SGLangCompatServer:
         self._jobs: set[Job] = set()
         self._jobs_lock = threading.Lock()
         self._start = time.time()
+        # /server_info reports the launch configuration (SGLang's resolved server arguments);
+        # what a weight update changes (model path, version) is reported by /model_info.
+        self._launch = {"model_path": state.model_path, "weight_version": state.weight_version}
         self.httpd: Optional[ThreadingHTTPServer] = None
         cfg = state.engine.config
         self.num_layers = int(cfg.num_hidden_layers)
@@ -226,15 +230,18 @@ class SGLangCompatServer:
 
     # ------------------------------------------------------------ weights
 
-    def _after_update(self, body: dict, route: str) -> dict:
+    def _after_update(self, body: dict, message: str) -> dict:
         """SGLang's post-load steps: new version, then the cache flush that fails while requests
-        are still running (the weights stay loaded)."""
+        are still running (the weights stay loaded); a version given with the update is named in
+        the message, as SGLang's tokenizer manager does."""
         self.state.set_version(body.get("weight_version"))
         if body.get("flush_cache", True) and self._has_requests():
             raise _Reply(400, {"success": False, "message": (
                 "Weights were updated, but the cache was not flushed because requests are still "
                 "running or queued. Retract or finish them, then call /flush_cache.")})
-        return {"success": True, "message": "Succeeded to update model weights."}
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return {"success": True, "message": message}
 
     def _has_requests(self) -> bool:
         if self.state.busy():
@@ -247,27 +254,29 @@ class SGLangCompatServer:
             self.state.abort(abort_all=True)
 
     def update_from_tensor(self, body: dict) -> dict:
+        """Every refusal is SGLang's {"success": false, "message"} (outside a session, a payload
+        that does not decode, a weight the model refuses)."""
         if not self.allow_tensor_updates:
-            raise RequestError("update_weights_from_tensor is disabled: the server listens on "
-                               f"{self.host}, not loopback (see --allow-remote-weight-updates)")
-        _require(body, "serialized_named_tensors")
+            raise _failed("update_weights_from_tensor is disabled: the server listens on "
+                          f"{self.host}, not loopback (see --allow-remote-weight-updates)")
         self._abort_first(body)
-        self.state.update_from_tensor(body["serialized_named_tensors"], body.get("load_format"))
-        return self._after_update(body, "tensor")
+        try:
+            self.state.update_from_tensor(body["serialized_named_tensors"],
+                                          body.get("load_format"))
+        except RequestError as exc:
+            raise _failed(str(exc)) from None
+        return self._after_update(body, "Success")
 
     def update_from_disk(self, body: dict) -> dict:
-        _require(body, "model_path")
         self._abort_first(body)
         try:
             self.state.update_from_disk(str(body["model_path"]))
         except RequestError as exc:
             raise _Reply(400, {"success": False, "message": str(exc), "num_paused_requests": 0})
-        out = self._after_update(body, "disk")
+        out = self._after_update(body, "Succeeded to update model weights.")
         return {**out, "num_paused_requests": 0}
 
     def init_group(self, body: dict) -> dict:
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
-            _require(body, key)
         try:
             self.state.init_group(str(body["master_address"]), int(body["master_port"]),
                                   int(body["rank_offset"]), int(body["world_size"]),
@@ -281,18 +290,21 @@ class SGLangCompatServer:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body: dict) -> dict:
-        self.state.destroy_group(str(body.get("group_name", "weight_update_group")))
+        try:
+            self.state.destroy_group(str(body.get("group_name", "weight_update_group")))
+        except RequestError as exc:
+            raise _failed(str(exc)) from None
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def update_from_distributed(self, body: dict) -> dict:
-        for key in ("names", "dtypes", "shapes"):
-            _require(body, key)
         self._abort_first(body)
-        self.state.update_from_distributed(body["names"], body["dtypes"], body["shapes"],
-                                           str(body.get("group_name", "weight_update_group")),
-                                           body.get("load_format"))
-        out = self._after_update(body, "distributed")
-        return {**out, "message": "Succeeded to update parameter online."}
+        try:
+            self.state.update_from_distributed(
+                body["names"], body["dtypes"], body["shapes"],
+                str(body.get("group_name", "weight_update_group")), body.get("load_format"))
+        except RequestError as exc:
+            raise _failed(str(exc)) from None
+        return self._after_update(body, "Succeeded to update parameter online.")
 
     def begin_update(self, body: dict) -> dict:
         return self._session_reply(*self.state.begin_session())
@@ -307,7 +319,6 @@ class SGLangCompatServer:
         return {"success": True, "message": message}
 
     def update_version(self, body: dict) -> dict:
-        _require(body, "new_version")
         if body.get("abort_all_requests", True):
             self.state.abort(abort_all=True)
         self.state.set_version(str(body["new_version"]))
@@ -331,19 +342,28 @@ class SGLangCompatServer:
         return ""
 
     def flush_cache(self, body: dict) -> Any:
+        """Plain text without a content type, as SGLang's route answers."""
         if self._has_requests():
-            raise _Reply(400, "Flush cache failed: requests are still running or queued.\n")
-        return ("Cache flushed.\nPlease check backend logs for more details. (When there are "
-                "running or waiting requests, the operation will not be performed.)\n")
+            raise _Reply(400, _Untyped("Flush cache failed.\n"))
+        return _Untyped("Cache flushed.\nPlease check backend logs for more details. (When "
+                        "there are running or waiting requests, the operation will not be "
+                        "performed.)\n")
 
     def release(self, body: dict) -> None:
-        # Weights and activations of the embedded engine stay where they are: nothing to hand
-        # back to another process on CPU. Recorded so /server_info tells the truth.
-        self.state.memory_released = True
+        """Weights and activations of the embedded engine stay where they are (nothing to hand
+        back on CPU); the released tags are kept, with SGLang's refusals: releasing while
+        requests run, resuming a tag that is not released (a fresh server)."""
+        if self.state.busy():
+            raise _Reply(400, {"error": {"message": "release_memory_occupation should be called "
+                                                    "only when server is idle."}})
+        self.state.released_tags.update(_tags(body))
         return None
 
     def resume_memory(self, body: dict) -> None:
-        self.state.memory_released = False
+        for tag in _tags(body):
+            if tag not in self.state.released_tags:
+                raise _Reply(400, {"error": {"message": repr(tag)}})  # SGLang's KeyError
+            self.state.released_tags.discard(tag)
         return None
 
     # ------------------------------------------------------------ info / health
@@ -380,7 +400,7 @@ class SGLangCompatServer:
         cfg = self.state.engine.config
         return {"model_path": self.state.model_path,
                 "served_model_name": self.state.served_model_name,
-                "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+                "tokenizer_path": self._tokenizer_path(),
                 "is_generation": True, "preferred_sampling_params": None,
                 "weight_version": self.state.weight_version, "load_format": "auto",
                 "reasoning_parser": None, "tool_call_parser": None,
@@ -390,20 +410,24 @@ class SGLangCompatServer:
                 "architectures": getattr(cfg, "architectures", None)}
 
     def server_info(self) -> dict:
-        cfg = self.state.engine.config
-        return {"model_path": self.state.model_path,
+        return {"model_path": self._launch["model_path"],
                 "served_model_name": self.state.served_model_name,
-                "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+                "tokenizer_path": self._tokenizer_path(),
                 "host": self.host, "port": self.port, "tp_size": self.tp_size, "dp_size": 1,
                 "pp_size": 1, "ep_size": 1,
                 "enable_return_routed_experts": self.state.enable_routed_experts,
                 "skip_tokenizer_init": self.tokenizer is None,
-                "context_length": getattr(cfg, "max_position_embeddings", None),
-                "device": str(self.state.engine.device), "dtype": str(self.state.engine.dtype),
-                "weight_version": self.state.weight_version, "startup_time": self._start,
+                "context_length": None,  # the launch value: this server takes the model's
+                "device": str(self.state.engine.device),
+                "dtype": str(self.state.engine.dtype).replace("torch.", ""),
+                "weight_version": self._launch["weight_version"], "startup_time": self._start,
                 "internal_states": [{"paused": self.state.paused,
-                                     "memory_released": self.state.memory_released}],
+                                     "released_tags": sorted(self.state.released_tags)}],
                 "version": "megapkl-serve", "frontend": "megapkl"}
+
+    def _tokenizer_path(self) -> Optional[str]:
+        """SGLang's tokenizer path defaults to the model path (also under skip_tokenizer_init)."""
+        return getattr(self.tokenizer, "name_or_path", None) or self.state.model_path
 
     # ------------------------------------------------------------ serving
 
@@ -414,10 +438,14 @@ class SGLangCompatServer:
             if method == "GET" and route in self.get:
                 return 200, self.get[route]()
             if method in ("POST", "PUT") and route in self.post:
-                if route not in ("/flush_cache", "/release_memory_occupation",
-                                 "/resume_memory_occupation") and not isinstance(body, dict):
-                    raise _contract("invalid type: request body, expected a JSON object")
-                return 200, self.post[route](body if isinstance(body, dict) else {})
+                if route == "/generate":
+                    if not isinstance(body, dict):
+                        raise _contract("invalid type: request body, expected a JSON object")
+                elif route == "/flush_cache":
+                    body = {}
+                else:
+                    body = validate_body(route, body)
+                return 200, self.post[route](body)
             if route in self.get or route in self.post:
                 return 405, {"detail": "Method Not Allowed"}
             return 404, {"detail": "Not Found"}
@@ -435,6 +463,22 @@ class SGLangCompatServer:
         finally:
             self.httpd.server_close()
             self.state.close()
+
+
+class _Untyped(str):
+    """A text body sent without a Content-Type header (SGLang's plain `Response(content=...)`)."""
+
+
+def _failed(message: str) -> _Reply:
+    """A weight route's refusal: SGLang answers 400 {"success": false, "message": ...}."""
+    return _Reply(400, {"success": False, "message": message})
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's memory regions, in its order
+
+
+def _tags(body: dict) -> list[str]:
+    return list(body.get("tags") or MEMORY_TAGS)
 
 
 def _moe_layers(engine: InterruptibleEngine) -> list[int]:
@@ -475,12 +519,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, out: Any) -> None:
         if out is None:
             data, kind = b"null", "application/json"
+        elif isinstance(out, _Untyped):
+            data, kind = out.encode(), None
         elif isinstance(out, str):
             data, kind = out.encode(), "text/plain; charset=utf-8"
         else:
             data, kind = json.dumps(out).encode(), "application/json"
         self.send_response(status)
-        self.send_header("Content-Type", kind)
+        if kind is not None:
+            self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

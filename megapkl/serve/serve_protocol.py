@@ -35,27 +35,35 @@ SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "
 _NEUTRAL = {"min_p": 0.0, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
             "repetition_penalty": 1.0, "skip_special_tokens": None,
             "spaces_between_special_tokens": None, "no_stop_trim": None}
-ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
-    "/generate": GENERATE_FIELDS,
-    "/update_weights_from_tensor": ("serialized_named_tensors", "load_format", "flush_cache",
-                                    "abort_all_requests", "weight_version"),
-    "/update_weights_from_disk": ("model_path", "load_format", "flush_cache",
-                                  "abort_all_requests", "weight_version"),
-    "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size",
-                                   "group_name", "backend"),
-    "/update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name",
-                                         "load_format", "flush_cache", "abort_all_requests",
-                                         "weight_version"),
-    "/destroy_weights_update_group": ("group_name",),
-    "/begin_weight_update": (),
-    "/end_weight_update": (),
-    "/update_weight_version": ("new_version", "abort_all_requests"),
-    "/pause_generation": ("mode",),
-    "/continue_generation": ("torch_empty_cache",),
-    "/abort_request": ("rid", "abort_all"),
-    "/release_memory_occupation": ("tags",),
-    "/resume_memory_occupation": ("tags",),
-    "/get_weights_by_name": ("name", "truncate_size"),
+# Body fields per route that this server reads, with the JSON type SGLang's request class gives
+# them ("int", "str", "bool", "list"; "?" suffix: null allowed). "*" marks a required field. Names
+# are checked against SGLang's classes (tests/rollout/test_sglang_protocol.py), answers against
+# SGLang's own app (tests/contract/test_serve_fidelity.py).
+ROUTE_FIELDS: dict[str, dict[str, str]] = {
+    "/generate": {f: "" for f in GENERATE_FIELDS},
+    "/update_weights_from_tensor": {"serialized_named_tensors": "*list", "load_format": "str?",
+                                    "flush_cache": "bool", "abort_all_requests": "bool",
+                                    "weight_version": "str?"},
+    "/update_weights_from_disk": {"model_path": "*str", "load_format": "str?",
+                                  "flush_cache": "bool", "abort_all_requests": "bool",
+                                  "weight_version": "str?"},
+    "/init_weights_update_group": {"master_address": "*str", "master_port": "*int",
+                                   "rank_offset": "*int", "world_size": "*int",
+                                   "group_name": "str", "backend": "str"},
+    "/update_weights_from_distributed": {"names": "*list", "dtypes": "*list", "shapes": "*list",
+                                         "group_name": "str", "load_format": "str?",
+                                         "flush_cache": "bool", "abort_all_requests": "bool",
+                                         "weight_version": "str?"},
+    "/destroy_weights_update_group": {"group_name": "str"},
+    "/begin_weight_update": {},
+    "/end_weight_update": {},
+    "/update_weight_version": {"new_version": "*str", "abort_all_requests": "bool"},
+    "/pause_generation": {"mode": "str"},
+    "/continue_generation": {"torch_empty_cache": "bool"},
+    "/abort_request": {"rid": "str", "abort_all": "bool"},
+    "/release_memory_occupation": {"tags": "list?"},
+    "/resume_memory_occupation": {"tags": "list?"},
+    "/get_weights_by_name": {"name": "*str", "truncate_size": "int"},
 }
 GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info", "/get_model_info",
               "/get_server_info", "/flush_cache")
@@ -70,7 +78,46 @@ class _Reply(Exception):
 
 
 def _contract(message: str) -> _Reply:
+    """/generate's JSON contract gate refuses the body: SGLang answers {"error": message}."""
     return _Reply(400, {"error": message})
+
+
+def validation_error(message: str) -> _Reply:
+    """A body that does not validate into the route's request class: SGLang's ErrorResponse."""
+    return _Reply(400, {"object": "error", "message": message, "type": "Bad Request",
+                        "param": None, "code": 400})
+
+
+_KINDS = {"int": "a valid integer", "str": "a valid string", "bool": "a valid boolean",
+          "list": "a valid list"}
+
+
+def validate_body(route: str, body: Any) -> dict:
+    """`body` after the checks SGLang's request-body validation makes on the fields this server
+    reads: a JSON object, required fields present, values of the declared type (an integer may
+    come as a string of digits, as pydantic's lax mode takes it)."""
+    if not isinstance(body, dict):
+        raise validation_error(f"1 validation error: body: Input should be a valid dictionary "
+                               f"(input: {json.dumps(body)[:200]})")
+    out = dict(body)
+    for key, kind in ROUTE_FIELDS.get(route, {}).items():
+        required, nullable, kind = kind.startswith("*"), kind.endswith("?"), kind.strip("*?")
+        if key not in body:
+            if required:
+                raise validation_error(f"1 validation error: body.{key}: Field required")
+            continue
+        value = body[key]
+        if not kind or (value is None and nullable):
+            continue
+        if kind == "int" and isinstance(value, str) and value.lstrip("-").isdigit():
+            value = out[key] = int(value)
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "str": isinstance(value, str), "bool": isinstance(value, bool),
+              "list": isinstance(value, list)}[kind]
+        if not ok:
+            raise validation_error(f"1 validation error: body.{key}: Input should be "
+                                   f"{_KINDS[kind]} (input: {json.dumps(value)[:200]})")
+    return out
 
 
 # ---------------------------------------------------------------- /generate parsing
@@ -258,11 +305,6 @@ def decode_routed_experts(text: str, num_layers: int, top_k: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- small response helpers
-
-
-def _require(body: dict, key: str) -> None:
-    if key not in body or body[key] is None:
-        raise _Reply(400, {"error": f"missing field `{key}`"})
 
 
 def _spans(spans: list, length: int) -> list[dict]:

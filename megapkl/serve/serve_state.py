@@ -216,7 +216,7 @@ class ServeState:
         # reuses its segments (megapkl's does) is then read without a page fault per 4 KiB.
         self._mapped: list[Tensor] = []
         self._mapped_before: list[Tensor] = []
-        self.memory_released = False
+        self.released_tags: set[str] = set()  # memory regions released and not resumed
         engine.step_check = self._step_check
 
     # ------------------------------------------------------------ generation

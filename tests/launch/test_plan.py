@@ -148,3 +148,19 @@ def test_dedicated_sglang_gpus_shape_the_job(tmp_path):
     p = plan_config("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h100",
                     ["rollout.sglang.colocate=false"])
     assert "4 replicas x 1 servers" in p.servers and "on GPUs of their own" in p.servers
+
+
+def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_them():
+    """Launched colocated servers run with SGLang's memory saver and hand their memory back while
+    the trainer trains; servers megapkl only connects to (urls) keep it."""
+    from megapkl.launch.profile import load_profile
+
+    cfg = "configs/experiments/pkl_periodic/qwen3_1p7b_pkl.yaml"
+    launched = plan_config(cfg, "h100")
+    named = plan(load_config(cfg, ['rollout.sglang.urls=["http://127.0.0.1:30000"]',
+                                   "slurm.gpus_per_node=8", "slurm.nodes=1"]),
+                 load_profile("h100"))
+    engines = 0.8 * load_profile("h100").gpu_mem_gib
+    assert not any("not released" in name for name, _ in launched.rows)
+    assert ("colocated SGLang servers (memory not released)", engines) in named.rows
+    assert abs(named.train_gib - launched.train_gib - engines) < 1e-6

@@ -35,7 +35,7 @@ def test_config_mismatch_names_the_key(dense_ckpt, tmp_path):
 
     shutil.copytree(dense_ckpt.path, tmp_path / "ck")
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
-    cfg["rope_theta"] = 10000.0
+    cfg["rope_parameters"]["rope_theta"] = 10000.0  # saved by transformers 5
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HFCheckpointError, match="config key rope_theta: checkpoint has 10000.0"):
         check_checkpoint(load_spec("tiny-qwen3"), HFCheckpoint(tmp_path / "ck"))

@@ -26,6 +26,8 @@ def _batch(ckpt):
 def _reference(ckpt, clip):
     from transformers import AutoModelForCausalLM
 
+    from megapkl.rollout.embedded import checkpoint_tensors
+
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     ids, labels = _batch(ckpt)
     logits = model(ids).logits
@@ -33,7 +35,8 @@ def _reference(ckpt, clip):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=0.0).step()
-    return float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
+    # under the checkpoint's names, which megapkl exports (transformers 5 fuses MoE experts)
+    return float(norm), {n: p.clone() for n, p in checkpoint_tensors(model)}
 
 
 def _megatron_step(rank, world_size, ckpt, layout, clip):

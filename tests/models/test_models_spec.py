@@ -59,6 +59,24 @@ def test_hf_config_round_trip():
     assert back == spec
 
 
+def test_rope_theta_from_a_transformers_5_config(tmp_path):
+    """transformers 5 saves `rope_parameters` instead of `rope_theta`; a spec read from such a
+    config.json keeps the checkpoint's theta (a silent fallback to 10000 would change every
+    position), and the config megapkl writes reads back in transformers with the same theta."""
+    from transformers import AutoConfig, Qwen3Config
+
+    spec = load_spec("qwen3-8b")
+    Qwen3Config(**{k: v for k, v in hf_config_dict(spec).items()
+                   if k not in ("architectures", "model_type")}).save_pretrained(tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    assert '"rope_parameters"' in saved
+    assert spec_from_hf_config(tmp_path / "config.json", name=spec.name).rope_theta == 1e6
+    assert AutoConfig.for_model(**hf_config_dict(spec)).rope_parameters["rope_theta"] == 1e6
+    scaled = {**hf_config_dict(spec), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}
+    with pytest.raises(SpecError, match="rope_parameters"):
+        spec_from_hf_config(scaled, name=spec.name)
+
+
 def test_overrides_and_unknown_keys():
     assert load_spec("tiny-qwen3", {"num_layers": 4}).num_layers == 4
     with pytest.raises(SpecError, match="unknown model key.*num_heads"):

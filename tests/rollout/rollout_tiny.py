@@ -32,8 +32,7 @@ def teacher_forced(model, sample, temperature: float):
     routed, hooks = [], []
     for g in gates:
         hooks.append(g.register_forward_hook(
-            lambda mod, inp, out: routed.append(
-                torch.topk(torch.softmax(out, -1, dtype=torch.float), 2, dim=-1).indices)))
+            lambda mod, inp, out: routed.append(out[2])))  # (logits, scores, top-k indices)
     with torch.no_grad():
         logits = model(input_ids=seq).logits[0].float()
     for h in hooks:

@@ -104,9 +104,11 @@ def test_fp32_engine_has_no_mismatch_and_fp8_raises_it(dense_model):
 def test_fp8_moe_keeps_the_router_and_quantizes_experts():
     from rollout_tiny import build_model
 
+    from megapkl.rollout.embedded import checkpoint_tensors
+
     model = build_model(MOE)
     engine = EmbeddedEngine.from_model(model, fp8=True)
-    got, plain = params(engine), model.state_dict()
+    got, plain = params(engine), dict(checkpoint_tensors(model))
     assert torch.equal(got["model.layers.0.mlp.gate.weight"], plain["model.layers.0.mlp.gate.weight"])
     assert torch.equal(got["lm_head.weight"], plain["lm_head.weight"])
     expert = "model.layers.0.mlp.experts.1.up_proj.weight"

@@ -36,7 +36,7 @@ def colocated(tmp_path):
     """An engine over one launched recorder server (colocated: memory released after use)."""
     made = []
 
-    def make(health_delay=0.0):
+    def make(health_delay=0.0, mode="tensor"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, str(RECORDER), str(port), "--health-delay", str(health_delay)]
@@ -46,7 +46,7 @@ def colocated(tmp_path):
                                                  deadline_s=120))
         wait_healthy(w.process, url, first_wait_s=0, interval_s=0.1, timeout_s=5,
                      deadline_s=120)
-        sync = WeightSync(SyncSettings(mode="tensor", colocate=True, pause_mode="in_place",
+        sync = WeightSync(SyncSettings(mode=mode, colocate=True, pause_mode="in_place",
                                        timeout_s=30))
         engine = SGLangEngine(fleet, {}, sync, heartbeat=False)
         made.append(engine)
@@ -57,8 +57,10 @@ def colocated(tmp_path):
         engine.close()
 
 
-def test_a_restarted_server_gets_the_weights_without_a_resume(colocated):
-    engine, w = colocated()
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_a_restarted_server_gets_the_weights_without_a_resume(colocated, mode):
+    """...and, syncing by broadcast, in a new update group (the fresh server is in no group)."""
+    engine, w = colocated(mode=mode)
     engine.update_weights(_weights(), version=1)
     engine._colocated_memory(release=True)  # after a generate: the trainer has the GPU
     assert engine.sync.released == {w.url}

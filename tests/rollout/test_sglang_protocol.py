@@ -4,8 +4,9 @@ answers must exist in SGLang's HTTP server with that method, and every request f
 them uses must be a field of the request class SGLang binds to that route. Nothing is hand-copied
 from SGLang: routes, their request classes and the classes' fields all come from the wheel.
 
-The wheel is cached under .cache/sglang-wheel/. Without network the test skips, except under
-CI=true where a failed download is a failure.
+The sources are read from the installed sglang (the test environment has the pinned one); without
+it, from the wheel cached under .cache/sglang-wheel/. Without either and without network the test
+skips, except under CI=true where a failed download is a failure.
 """
 from __future__ import annotations
 
@@ -55,9 +56,28 @@ def _download(version: str) -> Path:
     raise RuntimeError(f"pip download --no-deps sglang=={version} failed: {errors}")
 
 
+def _installed(version: str):
+    """The installed sglang's package directory when it is the pinned version (the test
+    environment installs it: tools/setup_env.sh test), else None."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        if importlib.metadata.version("sglang") != version:
+            return None
+        spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    except (importlib.metadata.PackageNotFoundError, ImportError, ValueError):
+        return None
+    return Path(spec.origin).parent.parent if spec and spec.origin else None
+
+
 @pytest.fixture(scope="session")
 def sglang_source() -> dict[str, ast.Module]:
     version = pinned_sglang_version()
+    site = _installed(version)
+    if site is not None:
+        return {key: ast.parse((site / path).read_text("utf-8"), filename=path)
+                for key, path in SOURCES.items()}
     try:
         wheel = _download(version)
     except Exception as exc:  # no network, no registry

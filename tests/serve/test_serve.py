@@ -22,6 +22,7 @@ from sglang_fixtures import free_port, http
 from megapkl.rollout.embedded import EmbeddedEngine
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem
+from megapkl.rollout.embedded import checkpoint_tensors
 from megapkl.serve.serve import SGLangCompatServer, make_http_server
 from megapkl.serve.serve_protocol import decode_routed_experts
 from megapkl.serve.serve_state import InterruptibleEngine, ServeState
@@ -30,7 +31,7 @@ from megapkl.serve.serve_state import InterruptibleEngine, ServeState
 class Served:
     def __init__(self, cfg: dict, model, routed: bool = False):
         engine = InterruptibleEngine(cfg, seed=0)
-        engine.update_weights(model.state_dict().items(), version=0)
+        engine.update_weights(checkpoint_tensors(model), version=0)
         self.state = ServeState(engine, model_path="tiny", served_model_name="tiny",
                                 enable_routed_experts=routed)
         self.app = SGLangCompatServer(self.state, port=0)
@@ -260,7 +261,7 @@ def test_update_weights_from_tensor_bit_identical(dense, dense_model, flattened)
     body = {"serialized_named_tensors": [payload], "load_format": fmt,
             "weight_version": f"t{int(flattened)}"}
     status, out = dense.post("/update_weights_from_tensor", body)
-    assert status == 400 and "begin_weight_update" in out["error"]["message"]
+    assert status == 400 and out["success"] is False and "begin_weight_update" in out["message"]
     assert dense.post("/begin_weight_update")[0] == 200
     status, out = dense.post("/update_weights_from_tensor", body)
     assert dense.post("/end_weight_update")[0] == 200
@@ -283,7 +284,7 @@ def test_tensor_payload_refuses_foreign_globals(dense):
                                  {"serialized_named_tensors": [payload]})
     finally:
         dense.post("/end_weight_update")
-    assert status == 400 and "builtins.print" in out["error"]["message"]
+    assert status == 400 and out["success"] is False and "builtins.print" in out["message"]
 
 
 def test_update_weights_from_disk_bit_identical(dense, dense_model, tmp_path):
@@ -430,7 +431,7 @@ def test_tensor_route_refused_beyond_loopback_without_flag(dense):
     app = SGLangCompatServer(dense.state, host="0.0.0.0", allow_tensor_updates=False)
     status, out = app.dispatch("POST", "/update_weights_from_tensor",
                                {"serialized_named_tensors": ["x"]})
-    assert status == 400 and "not loopback" in out["error"]["message"]
+    assert status == 400 and out["success"] is False and "not loopback" in out["message"]
 
 
 def test_build_from_hf_checkpoint_and_model_spec(dense_model, tmp_path):

@@ -1,6 +1,7 @@
 """The real sglang-router in front of two `megapkl serve` workers (real processes, real HTTP)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -13,6 +14,23 @@ if importlib.util.find_spec("sglang_router") is None:
     if os.environ.get("CI") == "true":  # the test extra installs it: missing is a failure
         raise ImportError("sglang-router is not installed (pyproject test extra)")
     pytest.skip("sglang-router is not installed (pip install -e .[test])", allow_module_level=True)
+
+
+# The fixtures start every worker with OMP_NUM_THREADS=1. torch's CPU kernels split reductions by
+# thread count, so the same weights and inputs give last-digit differences between 1 and 2
+# intra-op threads: the reference must compute with the workers' thread count to be comparable
+# bit for bit.
+WORKER_THREADS = 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _engine_like_worker(seed: int = 0):
@@ -40,9 +58,10 @@ def test_generate_through_router_matches_embedded_engine(serve_cluster):
     body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": k,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "n": 2,
                                 "sampling_seed": 1234, "ignore_eos": True}}
-    want = engine.generate([PromptItem(torch.tensor(prompt))], 2,
-                           SamplingParams(max_new_tokens=6, temperature=0.8, seed=1234,
-                                          topk_logprobs=k, ignore_eos=True))
+    with torch_threads(WORKER_THREADS):
+        want = engine.generate([PromptItem(torch.tensor(prompt))], 2,
+                               SamplingParams(max_new_tokens=6, temperature=0.8, seed=1234,
+                                              topk_logprobs=k, ignore_eos=True))
     # Four calls: round robin sends two to each worker; every answer equals the engine's.
     for _ in range(4):
         status, out = http("POST", serve_cluster.router_url + "/generate", body)

@@ -218,7 +218,8 @@ class Fleet:
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")
                 if self.restarted is not None:
-                    self.restarted(w)  # a fresh server: nothing released, in no update group
+                    with self.lock:  # not in the middle of a sync
+                        self.restarted(w)  # a fresh server: nothing released, in no group
                 w.process = w.spec.process().start()
                 try:
                     wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,

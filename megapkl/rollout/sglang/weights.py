@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megapkl.parallel.groups import group_device
 from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
@@ -135,14 +136,6 @@ def group_backend(setting: Optional[str] = None, cuda: Optional[bool] = None) ->
     if setting:
         return setting
     return "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
-
-
-def group_device(pg: Any) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def flat_order(bucket: Iterable[tuple[str, Tensor]]) -> NamedTensors:
@@ -311,7 +304,7 @@ class WeightSync:
         was never released raises in the scheduler and kills it) and is in no update group."""
         self.released.discard(url)
         if self._group is not None and url in {u for u, _ in self._group[0]}:
-            self._group = None  # its peers leave the old group when the next group is made
+            self.close_group()  # the next distributed push makes a group it is in
 
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stored = isinstance(named_tensors, StoredVersion)

@@ -1,0 +1,236 @@
+"""What runs inside the contract tests' SGLang process (see conftest.py): the pinned sglang,
+imported for real behind `sglang_hook`, executing its own CPU-side code on what megapkl produced.
+
+Every function here takes and returns plain data (argument lists, dicts, bytes), so the test
+process never imports sglang. SGLang code executed, by function:
+
+- `parse_server_args`: `ServerArgs.add_cli_args` (SGLang's argparse), `ServerArgs.from_cli_args`,
+  `ServerArgs.resolve_once` (the resolution pipeline with its checks; it needs a device, and these
+  machines have none that SGLang knows, so the parsed record gets `device="cpu"` before resolving).
+- `memory_saver`: `TorchMemorySaverAdapter.create(enable=<resolved enable_memory_saver>)`.
+- `quant_config`: `ModelConfig.from_server_args` on the served model directory and the loader's
+  `get_quant_config` (what `DefaultModelLoader` calls when it builds the model).
+- `disk_loader`: the default-filling of `TokenizerManager.update_weights_from_disk` is one line
+  (`load_format` None -> the server's own); this applies it and then runs `get_model_loader` and
+  the `isinstance(loader, DefaultModelLoader)` check of `WeightUpdater.update_weights_from_disk`.
+- `parse_router_args`: sglang_router's own `parse_router_args`.
+- `start_front`: SGLang's FastAPI application (`sglang.srt.entrypoints.http_server.app`: its
+  routes, request-body validation into the io_struct classes, error handlers, response bodies)
+  served by uvicorn on loopback, in front of `reference_backend.CpuBackend`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+_booted = False
+
+
+def boot() -> None:
+    """Process initializer: stand-ins for the stubbed packages, then SGLang's modules."""
+    global _booted
+    if _booted:
+        return
+    import warnings
+
+    import sglang_hook
+
+    sglang_hook.install()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    import sglang.srt.server_args  # noqa: F401  (import errors surface here, once)
+    _booted = True
+
+
+def stubs_used() -> list[str]:
+    import sglang_hook
+
+    return sorted(sglang_hook.used)
+
+
+def imported(prefix: str = "sglang") -> list[str]:
+    return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
+
+
+# ---------------------------------------------------------------- server and router arguments
+
+def server_args(argv: list[str], resolve: bool = True):
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    if resolve:
+        args.device = "cpu"  # no accelerator here; megapkl's servers resolve it on their GPU
+        args.resolve_once()
+    return args
+
+
+FIELDS = ("model_path", "host", "port", "tp_size", "ep_size", "dp_size", "mem_fraction_static",
+          "skip_tokenizer_init", "load_format", "quantization", "kv_cache_dtype",
+          "enable_return_routed_experts", "context_length", "enable_memory_saver", "base_gpu_id",
+          "gpu_id_step", "dtype")
+
+
+def parse_server_args(argv: list[str]) -> dict[str, Any]:
+    """The resolved values of the fields megapkl sets, or {"error": ...}."""
+    try:
+        args = server_args(argv)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from argparse included
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {f: getattr(args, f, None) for f in FIELDS}
+
+
+def memory_saver(argv: list[str]) -> dict[str, Any]:
+    from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+
+    args = server_args(argv)
+    adapter = TorchMemorySaverAdapter.create(enable=args.enable_memory_saver)
+    # (the real adapter's `enabled` asks the CUDA allocator hook, stubbed here: not read)
+    return {"adapter": type(adapter).__name__, "enable_memory_saver": args.enable_memory_saver}
+
+
+def quant_config(argv: list[str]) -> dict[str, Any]:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.weight_utils import get_quant_config
+
+    args = server_args(argv)
+    model_config = ModelConfig.from_server_args(args)
+    out: dict[str, Any] = {"quantization": model_config.quantization,
+                           "eos_token_ids": sorted(model_config.hf_eos_token_id or ())}
+    if model_config.quantization is None:
+        return out
+    qc = get_quant_config(model_config, LoadConfig(load_format=args.load_format), {})
+    out.update(cls=type(qc).__name__,
+               checkpoint_fp8=getattr(qc, "is_checkpoint_fp8_serialized", None),
+               weight_block_size=getattr(qc, "weight_block_size", None),
+               activation_scheme=getattr(qc, "activation_scheme", None))
+    return out
+
+
+def disk_loader(argv: list[str], body: dict) -> dict[str, Any]:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+    from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+
+    args = server_args(argv)
+    obj = UpdateWeightFromDiskReqInput(**body)
+    if obj.load_format is None:
+        obj.load_format = args.load_format
+    loader = get_model_loader(LoadConfig(load_format=obj.load_format),
+                              ModelConfig.from_server_args(args))
+    return {"load_format": obj.load_format, "loader": type(loader).__name__,
+            "accepted": isinstance(loader, DefaultModelLoader)}
+
+
+def parse_router_args(argv: list[str]) -> dict[str, Any]:
+    from sglang_router.launch_router import parse_router_args as parse
+
+    try:
+        args = parse(argv)
+    except BaseException as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {k: v for k, v in dataclasses.asdict(args).items()
+            if isinstance(v, (str, int, float, bool, list, type(None)))}
+
+
+# ---------------------------------------------------------------- the HTTP front end
+
+_front: Optional[Any] = None
+
+
+def start_front(argv: list[str]) -> str:
+    """SGLang's FastAPI app, answering as a server started with `argv` (a fresh backend: no
+    session, no group, nothing loaded), on a loopback port: its URL."""
+    global _front
+    import reference_backend
+
+    if _front is None:
+        _front = reference_backend.serve()
+    _front.use(reference_backend.CpuBackend(server_args(argv)))
+    return _front.url
+
+
+def front_log() -> list[dict]:
+    """The io_struct objects SGLang's routes handed to the backend, in order (as plain data)."""
+    return _front.backend.describe_log()
+
+
+def front_reset() -> None:
+    _front.backend.reset()
+
+
+def front_received() -> list[tuple[str, str, list, bytes]]:
+    """(name, dtype, shape, bytes) of every tensor the backend received, in order."""
+    return _front.backend.received_tensors()
+
+
+def front_state() -> dict:
+    return _front.backend.state()
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def generate_request(body: dict, vocab_size: int) -> dict[str, Any]:
+    """A /generate body through SGLang's checks: the JSON contract gate of the route
+    (`generate_contract_error`), `GenerateReqInput` with `normalize_batch_and_arguments`, and
+    `SamplingParams(**sampling_params).verify(vocab_size)`."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    error = generate_contract_error(body)
+    if error is not None:
+        return {"error": error}
+    try:
+        obj = GenerateReqInput(**body)
+        obj.normalize_batch_and_arguments()  # n > 1 expands into one entry per sample
+        per_sample = obj.sampling_params if isinstance(obj.sampling_params, list) else [
+            obj.sampling_params]
+        if any(p != per_sample[0] for p in per_sample):
+            return {"error": f"samples of one prompt got different sampling_params: {per_sample}"}
+        params = SamplingParams(**(per_sample[0] or {}))
+        params.verify(vocab_size)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    first = (lambda v: v[0] if isinstance(v, list) else v)
+    return {"samples": len(per_sample), "return_logprob": first(obj.return_logprob), "logprob_start_len": first(obj.logprob_start_len),
+            "top_logprobs_num": first(obj.top_logprobs_num),
+            "return_routed_experts": first(obj.return_routed_experts),
+            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
+            "ignore_eos": params.ignore_eos,
+            "stop_token_ids": sorted(params.stop_token_ids or ()),
+            "sampling_seed": getattr(params, "sampling_seed", None)}
+
+
+def deserialize(payload: str) -> list:
+    """A tensor payload through `TpModelWorker.deserialize_own_rank`'s two steps:
+    `monkey_patch_torch_reductions()` then `MultiprocessingSerializer.deserialize` (rank 0)."""
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    obj = MultiprocessingSerializer.deserialize(payload)
+    out = []
+    for name, t in obj:
+        t = t.get(0) if hasattr(t, "get") and not isinstance(t, torch.Tensor) else t
+        out.append((name, str(t.dtype).replace("torch.", ""), list(t.shape),
+                    t.contiguous().view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def exit_now() -> None:
+    """Leave without running the threads' and process groups' shutdown (the test is over)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

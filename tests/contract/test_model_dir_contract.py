@@ -1,0 +1,51 @@
+"""The model directory megapkl serves, read by SGLang's own loader code.
+
+Executed from sglang: `ModelConfig.from_server_args` (reads the directory's config.json through
+transformers, derives the EOS ids SGLang stops at under --skip-tokenizer-init), and
+`model_loader.weight_utils.get_quant_config` (what the default loader calls to pick the
+quantization method: `Fp8Config.from_config` on the checkpoint's `quantization_config`, or the
+online default when there is none). Not executed: building the model (`Qwen3ForCausalLM` needs
+GPU kernels for its FP8 linear layers).
+"""
+from __future__ import annotations
+
+import pytest
+
+from megapkl_side import launched
+
+
+@pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_fp8_context", "moe_r3_tp2_ep2"])
+def test_fp8_rollouts_get_sglangs_block_fp8(sglang, name, tmp_path, monkeypatch):
+    """SGLang resolves block FP8 from the served directory and the server's whole command line
+    (no `--quantization` flag is needed; one that disagreed with the config would show here)."""
+    from megapkl.rollout.fp8 import BLOCK
+
+    run = launched(name, tmp_path, monkeypatch)
+    assert run.cfg.rollout.fp8
+    got = sglang.call("quant_config", run.sglang_argv())
+    assert (got["quantization"], got.get("cls")) == ("fp8", "Fp8Config"), got
+    assert got["checkpoint_fp8"] is True, got  # weights arrive as e4m3 + weight_scale_inv
+    assert list(got["weight_block_size"]) == list(BLOCK), got
+    assert got["activation_scheme"] == "dynamic", got
+
+
+def test_bf16_rollouts_are_not_quantized(sglang, tmp_path, monkeypatch):
+    run = launched("bf16_separate_gpus", tmp_path, monkeypatch)
+    got = sglang.call("quant_config", run.sglang_argv())
+    assert got["quantization"] is None, got
+
+
+def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
+    """A real model's served directory (no checkpoint, so a config-only directory): SGLang must
+    find the run tokenizer's EOS id in it, and a run with no EOS anywhere is refused up front."""
+    from megapkl.rollout.sglang.launch import LaunchError
+
+    from megapkl_side import TOKENIZER_EOS
+
+    run = launched("default_fp8_colocated", tmp_path, monkeypatch,
+                   extra=("model.name=qwen3-1.7b", "rollout.fp8=false"))
+    got = sglang.call("quant_config", run.sglang_argv())
+    assert got["eos_token_ids"] == [TOKENIZER_EOS], \
+        f"SGLang finds {got['eos_token_ids']} as EOS in {run.model_dir}/config.json"
+    with pytest.raises(LaunchError, match="eos_token_id"):
+        launched("default_fp8_colocated", tmp_path / "none", monkeypatch, tokenizer_eos=None)
