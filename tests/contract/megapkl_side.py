@@ -120,8 +120,10 @@ def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
     tokenizer = None if tokenizer_eos is None else SimpleNamespace(eos_token_id=tokenizer_eos)
     replicas = cfg.parallel.data
     work = Path(run_dir) / "sglang" / (f"replica{replica}" if replicas > 1 else "")
-    fleet = build.launch_fleet(cfg, hf_config, work, replica=replica, replicas=replicas,
-                               tokenizer=tokenizer)
+    from megapkl.rollout.factory import engine_context
+
+    ctx = engine_context(cfg, hf_config, replica=replica, replicas=replicas)
+    fleet = build.launch_fleet(cfg.rollout, ctx, hf_config, work, tokenizer=tokenizer)
     out = Launch(cfg, hf_config)
     for p in started:
         if p.name == "router":

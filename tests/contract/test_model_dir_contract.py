@@ -38,7 +38,7 @@ def test_bf16_rollouts_are_not_quantized(sglang, tmp_path, monkeypatch):
 def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
     """A real model's served directory (no checkpoint, so a config-only directory): SGLang must
     find the run tokenizer's EOS id in it, and a run with no EOS anywhere is refused up front."""
-    from megapkl.rollout.sglang.launch import LaunchError
+    from megapkl.rollout.sglang.launch import ServerLaunchError
 
     from megapkl_side import TOKENIZER_EOS
 
@@ -47,5 +47,5 @@ def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
     got = sglang.call("quant_config", run.sglang_argv())
     assert got["eos_token_ids"] == [TOKENIZER_EOS], \
         f"SGLang finds {got['eos_token_ids']} as EOS in {run.model_dir}/config.json"
-    with pytest.raises(LaunchError, match="eos_token_id"):
+    with pytest.raises(ServerLaunchError, match="eos_token_id"):
         launched("default_fp8_colocated", tmp_path / "none", monkeypatch, tokenizer_eos=None)
