@@ -20,12 +20,14 @@ import sys
 import traceback
 from typing import Callable, Optional, Sequence
 
+from megapkl.errors import MegapklError
+
 EXIT_CONFIG = 2  # bad config or bad usage (argparse uses 2 as well)
 EXIT_ERROR = 1  # anything else that stops a command: one line on stderr, the traceback with --debug
 EXIT_INTERRUPTED = 130
 
 
-class UsageError(ValueError):
+class UsageError(MegapklError, ValueError):
     """Bad command-line usage that argparse cannot see (exit 2)."""
 
 
@@ -85,10 +87,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Validate the run config, then train on this machine (a process per GPU, or forked gloo
     ranks on a CPU machine, when DP/TP > 1)."""
     cfg = _load(args.config, args.overrides, local=True)
+    from megapkl import runlog
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import train_local
 
     preflight(cfg)  # a missing resume checkpoint or a run directory in use: before any rank starts
+    runlog.attach(cfg.run_dir)
     train_local(cfg)
     return 0
 
@@ -102,14 +106,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds."""
     path = demo_config_path()
     _load(path, args.overrides)  # a bad override is a config error before anything starts
+    from megapkl import runlog
     from megapkl.analysis.demo import run_demo
 
-    run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    runs = run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    runlog.attach(runs[0])  # what this process held (the ranks wrote theirs there already)
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Every method x seed, then curves with bootstrap bands and a report with intervals."""
+    """Every method x seed, then curves with bands and a report with paired intervals."""
     from megapkl.analysis.compare import Criteria, compare, headline
 
     cfg = _load(args.config, args.overrides)
@@ -152,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megapkl", description="Off-policy RL post-training "
                                      "of LLMs on megatron-core (Proximal KL, GRPO, SIS, TETPO, ...).")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error "
-                        "(also accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
+                        "and other libraries' warnings (otherwise in the run's megapkl.log; also "
+                        "accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     config = sub.add_parser("config", help="show, validate or list the keys of run configs")
@@ -186,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from megapkl.launch.cli import _IntermixedParser
 
-    cmp = sub.add_parser("compare", help="methods x seeds with bootstrap intervals and a report")
+    cmp = sub.add_parser("compare", help="methods x seeds with paired intervals and a report")
     cmp.__class__ = _IntermixedParser  # KEY=VALUE overrides may follow the options
     cmp.add_argument("config", help="base run config YAML")
     cmp.add_argument("--methods", required=True,
@@ -198,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--profile", default=None, help="run on Slurm with this cluster profile")
     cmp.add_argument("--parallelism", type=int, default=None, help="Slurm array parallelism")
     cmp.add_argument("--analyze", action="store_true", help="only analyze finished runs")
-    cmp.add_argument("--metric", default="train/accuracy", help="metric to compare")
+    cmp.add_argument("--metric", default=None, help="primary metric (default: the in-training "
+                     "evaluation eval/micro_avg/accuracy when the runs log it, else train/accuracy)")
     cmp.add_argument("--threshold", type=float, default=0.9, help="for updates-to-threshold")
     cmp.add_argument("--ema", type=float, default=0.2, help="EMA alpha of curves (default 0.2)")
     cmp.add_argument("--collapse-drop", type=float, default=0.2,
@@ -267,6 +275,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("MEGAPKL_DEBUG", "") not in ("", "0")
+    if not debug:  # other libraries' warnings: into the run's megapkl.log, not the terminal
+        from megapkl import runlog
+
+        runlog.quiet()
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -48,8 +48,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("parallel/vocab.py", "_global_sums", "zeros"):
         "a 0-dim scalar operand of torch.where: the result takes the device of the other "
         "operands (the logits' device)",
-    ("train/mismatch.py", "exact_version_metrics", "zeros"):
-        "the sums are moved to groups.device just before their all_reduce",
     ("train/mismatch.py", "_routing", "tensor"):
         "response uids are matched against the batch on its own device (counted_rows moves "
         "them); they are never sent",

@@ -2,7 +2,7 @@
 refresh (configs/demo/cpu_demo.yaml), on the embedded engine, DP = 2 over gloo.
 
 `--compare` runs Proximal KL, GRPO and PG over several seeds through `megapkl compare` and reports
-each method's numbers with bootstrap intervals (one seed is noise, never a ranking).
+each method's numbers with confidence intervals (one seed is noise, never a ranking).
 """
 from __future__ import annotations
 

@@ -127,11 +127,13 @@ def _params(model):
 def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], responses: int
                       ) -> list[list[Tensor]]:
     """Responses of the current policy to the first P prompts; log rho_j per response, by prompt."""
+    import dataclasses
+
     import torch
 
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
-    from megapkl.train.rollouts import RolloutStage, _with_seed
+    from megapkl.train.rollouts import Replica, build_rollout_stage
 
     groups = init_groups(cfg)
     learner = Learner(cfg, groups)
@@ -139,11 +141,12 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
     _load(learner, reference, initial)
     learner.snapshots.save("reference")
     _load(learner, current, initial)
-    stage = RolloutStage(cfg, learner.spec, dp_rank=0, dp_size=1, leader=True, replica_group=None,
-                         dp_group=None)
+    stage = build_rollout_stage(cfg, learner.spec, Replica(), timers=None)
     stage.engine.update_weights(learner.export(), 1)
     prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
-    samples = stage.engine.generate(prompts, responses, _with_seed(stage.sampling, cfg.seed))
+    samples = stage.engine.generate(prompts, responses,
+                                    dataclasses.replace(stage.sampling, seed=cfg.seed))
+    stage.close()
     for s in samples:
         s.advantage = 0.0  # no loss is taken; the packer carries one per response
     micro_batches = learner.pack(samples)

@@ -115,16 +115,18 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     import json
 
     from megapkl.config import load_config
-    from megapkl.eval.hook import eval_tokenizer
-    from megapkl.train.rollouts import build_run_engine
+    from megapkl.rollout.factory import build_run_engine, load_tokenizer
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
 
     run, ckpt = find_run(Path(target), step)
+    from megapkl import runlog
+
+    runlog.attach(run)  # other libraries' warnings: into the run's megapkl.log
     cfg = load_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS])
     ckpt = resolve_checkpoint(cfg, run, ckpt, step)
     version = json.loads((ckpt / "complete").read_text())["step"]
-    tokenizer = eval_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data, required=False)
     benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
     apply_section_overrides(benches, section_overrides(overrides), cfg.eval.n_samples)
     spec, weights = policy_weights(cfg, ckpt)

@@ -72,14 +72,25 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """Verifier reward: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
+    """How responses are scored: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
 
     `type` unset follows the data: 'synthetic' for a synthetic task, else 'math' (boxed answer).
+    'python': `function` ("package.module:callable") scores each prompt group in a worker process;
+    'http': a reward server at `url` does (docs/experiments.md). `timeout_s` bounds one answer
+    (math: per response; python, http: per group and request). A user reward that fails either
+    stops the run (`on_error: fail`) or scores its group `incorrect` (logged, `reward/errors`).
     """
 
-    type: Optional[Literal["math", "synthetic"]] = None  # see above
+    type: Optional[Literal["math", "synthetic", "python", "http"]] = None  # see above
     correct: float = 1.0  # reward of a correct response
-    incorrect: float = -1.0  # reward of any other response
+    incorrect: float = -1.0  # reward of any other response (and of a failed group, on_error incorrect)
+    function: Optional[str] = None  # type python: "package.module:callable"
+    url: Optional[str] = None  # type http: the reward server's endpoint (http:// or https://)
+    # seconds one answer may take (math: per response; python, http: per group and request)
+    timeout_s: float = field(default=10.0, metadata=rng(0.0, lo_open=True))
+    max_retries: int = field(default=2, metadata=rng(0))  # type http: after a failed request
+    # fail: the run stops on every rank; incorrect: the group is scored `incorrect` and logged
+    on_error: Literal["fail", "incorrect"] = "fail"
 
     def check(self, err) -> None:
         for name in ("correct", "incorrect"):  # NaN/Inf would pass the comparison below
@@ -88,6 +99,18 @@ class RewardConfig:
         if self.correct <= self.incorrect:
             err(f"must be > reward.incorrect ({self.incorrect}), got {self.correct}", "correct",
                 "incorrect")
+        if self.type == "python" and not _DOTTED.match(self.function or ""):
+            err(f"reward type python needs a function 'package.module:callable', got "
+                f"{self.function!r}", "function")
+        if self.type != "python" and self.function is not None:
+            err("is read by reward.type: python only", "function", "type")
+        if self.type == "http" and not re.match(r"^https?://\S+$", self.url or ""):
+            err(f"reward type http needs the reward server's http(s) URL, got {self.url!r}", "url")
+        if self.type != "http" and self.url is not None:
+            err("is read by reward.type: http only", "url", "type")
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 @dataclass
@@ -166,13 +189,12 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics output (names: docs/objectives.md and docs/engines.md); curves are smoothed with
-    EMA alpha (PKL Figure 3: 0.10)."""
+    """Metrics output (names: docs/objectives.md and docs/engines.md): every update's row goes to
+    <run_dir>/metrics.jsonl, and to TensorBoard and W&B when on; curves are smoothed with EMA alpha
+    (PKL Figure 3: 0.10)."""
 
-    jsonl: bool = True  # <run_dir>/metrics.jsonl, one row per update
     # <run_dir>/tensorboard (off here; configs/base/default.yaml turns it on for paper runs)
     tensorboard: bool = False
-    every: int = field(default=1, metadata=rng(1))  # log every n-th update
     # `megapkl plot`'s default
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
     progress_bar: bool = True  # a progress line on the terminal (rank 0)
@@ -190,7 +212,7 @@ class CheckpointConfig:
     keep: Optional[int] = field(default=3, metadata=rng(1))  # the latest n kept; null: all
     # true: the latest in dir (`submit --if-exists resume` sets it); a path: that checkpoint
     resume: Union[bool, str] = False
-    export_hf: bool = False  # also write a HF-format copy of the final weights
+    export_hf: bool = False  # at the end, also write the final weights as HF safetensors (<dir>/hf)
 
     def check(self, err) -> None:
         if isinstance(self.resume, str) and not self.resume.strip():

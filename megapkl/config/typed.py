@@ -13,8 +13,10 @@ import types
 import typing
 from typing import Any, Callable, Literal, Union
 
+from megapkl.errors import MegapklError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegapklError, ValueError):
     """A config problem. `key` is the dotted key, `source` the file (or '<dict>', '<override>').
 
     `line` (1-based, optional) is where in `source` the key was written; `related` names further dotted

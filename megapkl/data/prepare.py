@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from megapkl.errors import MegapklError
 from megapkl.data.registry import Source, get_source, plain_answer
 
 MISSING = object()
 
 
-class PrepareError(ValueError):
+class PrepareError(MegapklError, ValueError):
     """A row or file that cannot be converted; the message names the file and row."""
 
 

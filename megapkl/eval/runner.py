@@ -1,5 +1,5 @@
 """Benchmark evaluation through a rollout engine: prompts -> `engine.generate` -> scoring ->
-metrics -> files. Used by `megapkl eval` and by the in-training hook (`megapkl.eval.hook`); only
+metrics -> files. Used by `megapkl eval` and by the in-training evaluation (`megapkl.train.evaluation`); only
 the `RolloutEngine` interface is touched, so any engine (embedded, SGLang) serves.
 
 A benchmark is a synthetic task name (`next_mod10`, `add_mod10`: exact-match scoring of the task)
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megapkl.errors import MegapklError
 from megapkl.eval.metrics import default_ks, micro_average, summarize
 from megapkl.rollout.engine import RolloutEngine, SamplingParams
 from megapkl.rollout.sample import PromptItem, Sample
 
 
 
-class EvalError(ValueError):
+class EvalError(MegapklError, ValueError):
     """A benchmark that cannot be evaluated (unknown name, missing file); names the key or file."""
 
 

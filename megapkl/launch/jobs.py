@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from megapkl.errors import MegapklError
+
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "ExitCode", "NodeList")
 
 
-class JobLookupError(RuntimeError):
+class JobLookupError(MegapklError, RuntimeError):
     pass
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megapkl.errors import MegapklError
+
 log = logging.getLogger("megapkl.launch")
 
 _CURRENT: Optional["LaunchContext"] = None
@@ -47,7 +49,7 @@ class Requeued(BaseException):
     trainer's `except Exception` does not swallow it and submitit writes no result."""
 
 
-class RequeueLimitError(RuntimeError):
+class RequeueLimitError(MegapklError, RuntimeError):
     """Preempted or timed out more often than the profile's max_requeues allows."""
 
 

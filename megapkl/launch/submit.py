@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
+from megapkl.errors import MegapklError
 from megapkl.config.typed import ConfigError
 from megapkl.launch.job import DEFAULT_ENTRY, LaunchSpec, MegapklJob, check_entry_importable
 from megapkl.launch.profile import ClusterProfile, load_profile
@@ -52,7 +53,7 @@ _SLURM_TO_PROFILE = {"nodes": "nodes", "gpus_per_node": "gpus_per_node",
 _NOT_JOB_KEYS = {"profile", "job_name"}
 
 
-class LaunchError(RuntimeError):
+class LaunchError(MegapklError, RuntimeError):
     """A launcher problem that is not a config error (existing run dir, no Slurm, ...)."""
 
 

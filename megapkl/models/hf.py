@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.errors import MegapklError
 from megapkl.models.chunks import model_chunks
 from megapkl.models import hf_mapping as hm
 from megapkl.models.spec import ModelSpec, SpecError, hf_config_dict, spec_from_hf_config
@@ -37,7 +38,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class HFCheckpointError(MegapklError, ValueError):
     """A checkpoint does not fit the model: the message names the tensor (and both shapes)."""
 
 
@@ -80,7 +81,7 @@ class HFCheckpoint:
 
     def _slice(self, name: str) -> Any:
         if name not in self.weight_map:
-            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {self.path}")
+            raise HFCheckpointError(f"tensor {name!r} is missing from checkpoint {self.path}")
         return self._open(self.weight_map[name]).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -108,13 +109,13 @@ _CONFIG_KEYS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attent
 
 
 def check_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint, check_config: bool = True) -> None:
-    """Raise `CheckpointError` listing every way `ckpt` does not match `spec`."""
+    """Raise `HFCheckpointError` listing every way `ckpt` does not match `spec`."""
     problems: list[str] = []
     if check_config and ckpt.config() is not None:
         try:
             theirs = spec_from_hf_config(ckpt.config())
         except SpecError as exc:
-            raise CheckpointError(f"{ckpt.path}/config.json: {exc}") from None
+            raise HFCheckpointError(f"{ckpt.path}/config.json: {exc}") from None
         for key in _CONFIG_KEYS:
             if getattr(theirs, key) != getattr(spec, key):
                 problems.append(f"config key {key}: checkpoint has {getattr(theirs, key)!r}, "
@@ -135,7 +136,7 @@ def check_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint, check_config: bool = T
                         f"{shown}")
     if problems:
         head = f"checkpoint {ckpt.path} does not match model config {spec.name!r}:\n  - "
-        raise CheckpointError(head + "\n  - ".join(problems[:20])
+        raise HFCheckpointError(head + "\n  - ".join(problems[:20])
                               + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20
                                  else ""))
 
@@ -215,7 +216,7 @@ def load_hf_weights(model: Any, path: str | os.PathLike | HFCheckpoint, *,
                     check_config: bool = True) -> None:
     """Copy a HF checkpoint into this rank's shard of `model` (a GPTModel, wrapper or chunk list).
 
-    Raises FileNotFoundError for a missing path and CheckpointError when the checkpoint does not
+    Raises FileNotFoundError for a missing path and HFCheckpointError when the checkpoint does not
     fit the model config. `groups` is a `ParallelGroups` (default: megatron's).
     """
     chunks = model_chunks(model)
@@ -237,7 +238,7 @@ def load_hf_weights(model: Any, path: str | os.PathLike | HFCheckpoint, *,
                 pieces = hm.local_pieces(spec, p.kind, names, rank, size, padded)
                 value = hm.fuse(spec, p.kind, [ckpt.read(x) for x in pieces], p.tensor.shape[0])
                 if tuple(value.shape) != tuple(p.tensor.shape):
-                    raise CheckpointError(
+                    raise HFCheckpointError(
                         f"tensor(s) {names} give a shard of shape {list(value.shape)} but the "
                         f"megatron parameter ({p.kind}, layer {p.layer}) has shape "
                         f"{list(p.tensor.shape)}")

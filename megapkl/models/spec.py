@@ -19,12 +19,14 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from megapkl.errors import MegapklError
+
 FAMILIES = ("qwen3", "qwen3_moe")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
-class SpecError(ValueError):
+class SpecError(MegapklError, ValueError):
     """An architecture or a layout is invalid; the message names the offending key."""
 
 

@@ -128,6 +128,7 @@ def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) ->
         b.mean("pkl/credit_mean", s.credit)
         b.sample("pkl/credit", s.credit)
         _max(b, "pkl/credit_abs_max", s.credit.abs())
+        b.mean("pkl/adv_abs_mean", s.adv.abs())  # the scale the credit competes with
     if s.sis is not None:
         z = s.sis.accepted
         b.mean("sis/accept_rate", z)

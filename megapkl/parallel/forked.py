@@ -35,14 +35,16 @@ import time
 import traceback
 from typing import Any, Callable, List
 
+from megapkl.errors import MegapklError
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
-class WorkerError(RuntimeError):
+class WorkerError(MegapklError, RuntimeError):
     """A forked rank raised; the message carries its traceback."""
 
 
-class WorkerTimeout(RuntimeError):
+class WorkerTimeout(MegapklError, RuntimeError):
     """Some ranks did not finish within the timeout (they were killed)."""
 
 

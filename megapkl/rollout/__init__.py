@@ -9,21 +9,24 @@
 Heavy dependencies (transformers, math-verify, pyarrow) load only when the class that needs them
 is used, so importing this package stays cheap.
 """
-from megapkl.rollout.data import (DataError, PromptDataset, PromptIterator, PromptRecord,
-                                  build_prompt_dataset, read_prompt_file, render_prompt)
-from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
-                                    WeightUpdateError)
-from megapkl.rollout.rewards import MathReward, Reward, SyntheticReward, build_reward, last_boxed
-from megapkl.rollout.sample import PromptItem, Sample
-from megapkl.rollout.synthetic import CharTokenizer, make_synthetic_task
+_HOMES = {
+    "DataError": "data", "PromptDataset": "data", "PromptIterator": "data", "PromptRecord": "data",
+    "build_prompt_dataset": "data", "read_prompt_file": "data", "render_prompt": "data",
+    "RolloutEngine": "engine", "RolloutEngineError": "engine", "SamplingParams": "engine",
+    "WeightUpdateError": "engine", "MathReward": "rewards", "Reward": "rewards",
+    "SyntheticReward": "rewards", "build_reward": "rewards", "last_boxed": "rewards",
+    "PromptItem": "sample", "Sample": "sample", "CharTokenizer": "synthetic",
+    "make_synthetic_task": "synthetic", "EmbeddedEngine": "embedded",
+}
 
 
 def __getattr__(name):
-    # The embedded engine imports transformers lazily inside its methods, but keep even the
-    # module import on demand so `import megapkl.rollout` never touches it.
-    if name == "EmbeddedEngine":
-        from megapkl.rollout.embedded import EmbeddedEngine
-        return EmbeddedEngine
+    # Every name on demand: `import megapkl.rollout.<module>` (the reward worker process, for
+    # one) then imports only that module, not torch and transformers with the rest.
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"megapkl.rollout.{_HOMES[name]}"), name)
     raise AttributeError(name)
 
 

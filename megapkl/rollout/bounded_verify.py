@@ -1,15 +1,18 @@
-"""Math-verify scoring with a hard per-sample time limit, safe from any thread.
+"""Reward scoring with a hard time limit, safe from any thread: math-verify, or a user's function.
 
 math-verify bounds its own parsing and comparison with SIGALRM, which works only in a process's
 main thread; in any other thread it runs unbounded, and a pathological answer such as
-`9^{9^{9^{9}}}` then blocks the caller for good. `BoundedVerifier` runs the scoring in a
-dedicated worker process (a fresh interpreter: no copy of the trainer's threads or locks) whose
-main thread keeps math-verify's own timeout, and the caller waits at most `kill_after_s` for each
-answer: a worker that does not answer in time (stuck in code signals cannot interrupt) is killed
-and restarted, and the sample counts as wrong. Every timeout and kill is logged with the sample.
+`9^{9^{9^{9}}}` then blocks the caller for good. A user's reward function may hang as well. So the
+scoring runs in a dedicated worker process (a fresh interpreter: no copy of the trainer's threads
+or locks, in its own session so a Ctrl-C meant for the trainer does not kill it) whose main thread
+keeps the in-worker time limit, and the caller waits at most `kill_after_s` for each answer: a
+worker that does not answer in time (stuck in code signals cannot interrupt) is killed and
+restarted, and the answer counts as failed. Every timeout and kill is logged.
 
     with BoundedVerifier(timeout_s=5) as v:
         r = v.score(response_text, gold)      # VerifyResult(correct, extracted, error)
+    with BoundedFunction("my_pkg.rewards:score", timeout_s=30) as f:
+        rewards = f.call(prompts=[...], responses=[...], answers=[...], fields=[...])
 """
 from __future__ import annotations
 
@@ -20,12 +23,17 @@ import select
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
-from megapkl.rollout.rewards import last_boxed
+from megapkl.errors import MegapklError
 
 log = logging.getLogger(__name__)
-STARTUP_GRACE_S = 60.0  # a spawned worker's interpreter start and math-verify/sympy imports
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+STARTUP_GRACE_S = 60.0  # a spawned worker's interpreter start and imports (math-verify, sympy)
+
+
+class RewardError(MegapklError, RuntimeError):
+    """A reward function or server failed (raised, timed out, answered wrongly); names which."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,39 @@ class VerifyResult:
     correct: bool
     extracted: Optional[str]  # the response's answer as scored (last \boxed{} content), or None
     error: Optional[str] = None  # 'timeout', 'killed after N s', or the exception; None if clean
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last complete \\boxed{...} (or \\fbox{...}) in `text`, braces balanced;
+    None when there is none (a box cut off by the length limit does not count)."""
+    best: Optional[tuple[int, str]] = None
+    for command in _BOX_COMMANDS:
+        start = text.rfind(command)
+        while start != -1:
+            content = _braced_after(text, start + len(command))
+            if content is not None:
+                if best is None or start > best[0]:
+                    best = (start, content)
+                break
+            start = text.rfind(command, 0, start)
+    return None if best is None else best[1]
+
+
+def _braced_after(text: str, i: int) -> Optional[str]:
+    """The balanced {...} group starting at text[i] (spaces allowed before '{'), else None."""
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
 
 
 def score_text(response: str, gold: str, require_boxed: bool = True,
@@ -64,9 +105,11 @@ def score_text(response: str, gold: str, require_boxed: bool = True,
         return VerifyResult(False, boxed, "timeout" if "Timeout" in name else f"{name}: {e}")
 
 
-def _serve(timeout_s: Optional[int]) -> None:
-    """Worker loop on stdin/stdout, one JSON line each way: [response, gold, require_boxed] in,
-    [correct, extracted, error] out; end of input stops it."""
+# ------------------------------------------------------------------ inside the worker
+
+
+def _serve_math(timeout_s: Optional[int]) -> None:
+    """[response, gold, require_boxed] in, [correct, extracted, error] out, one JSON line each."""
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # the caller logs failures
     for line in sys.stdin:
         response, gold, require_boxed = json.loads(line)
@@ -75,34 +118,92 @@ def _serve(timeout_s: Optional[int]) -> None:
         sys.stdout.flush()
 
 
-class BoundedVerifier:
-    """Scores (response, gold) pairs in a worker process; see the module docstring.
+def resolve(dotted: str) -> Any:
+    """The callable `package.module:name` names (`name` may be dotted: a class attribute)."""
+    import importlib
 
-    The worker is a plain `python -m megapkl.rollout.bounded_verify` subprocess talking JSON lines
-    over pipes (not multiprocessing, which would re-run the caller's main script on start).
-    timeout_s: math-verify's own limit inside the worker (None: off). kill_after_s: the caller's
-    hard limit per sample (default 2 x timeout_s + 5 s, which leaves math-verify time to stop
-    itself first)."""
+    module, _, attr = dotted.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{dotted} is a {type(obj).__name__}, not a callable")
+    return obj
 
-    def __init__(self, timeout_s: Optional[int] = 5, kill_after_s: Optional[float] = None,
-                 require_boxed: bool = True) -> None:
-        self.timeout_s = timeout_s
-        self.kill_after_s = kill_after_s if kill_after_s is not None else 2 * (timeout_s or 5) + 5
-        self.require_boxed = require_boxed
-        self.num_timeouts = 0
-        self.num_killed = 0
-        self._proc: Optional[subprocess.Popen] = None
-        self._warm = False  # the first answer of a worker also waits for its start-up
 
-    def _start(self) -> None:
-        cmd = [sys.executable, "-m", "megapkl.rollout.bounded_verify", str(self.timeout_s or 0)]
+def _serve_calls(dotted: str, timeout_s: float) -> None:
+    """{"ready": true} (or {"error": ...}) first; then keyword arguments in, {"rewards": [...]}
+    or {"error": ...} out, one JSON line each. The user's prints go to stderr, never into the
+    answers; SIGALRM bounds each call (code that ignores signals is killed by the caller)."""
+    import signal
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj: Any) -> None:
+        answers.write(json.dumps(obj) + "\n")
+        answers.flush()
+
+    def expired(signum, frame) -> None:  # noqa: ARG001
+        raise TimeoutError(f"no answer within reward.timeout_s ({timeout_s:g} s)")
+
+    try:
+        fn = resolve(dotted)
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, which raises
+        reply({"error": f"{type(e).__name__}: {e}"})
+        return
+    reply({"ready": True})
+    signal.signal(signal.SIGALRM, expired)
+    for line in sys.stdin:
+        kwargs = json.loads(line)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            reply({"rewards": check_rewards(fn(**kwargs), len(kwargs["responses"]))})
+        except BaseException as e:  # noqa: BLE001 - the caller decides (reward.on_error)
+            kind = "timeout" if isinstance(e, TimeoutError) else type(e).__name__
+            reply({"error": f"{kind}: {e}"})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def check_rewards(values: Any, n: int) -> list[float]:
+    """`values` as n finite floats; ValueError naming what is wrong otherwise."""
+    import math
+
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"expected a list of {n} rewards (one per response), got {got}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"reward {i} is {v!r}, not a finite number")
+        out.append(float(v))
+    return out
+
+
+# ------------------------------------------------------------------ the caller's side
+
+
+class _Worker:
+    """A `python -m megapkl.rollout.bounded_verify ARGS` subprocess talking JSON lines over pipes
+    (not multiprocessing, which would re-run the caller's main script on start), waited for at
+    most `kill_after_s` per answer (plus STARTUP_GRACE_S while it starts)."""
+
+    def __init__(self, args: Sequence[str], kill_after_s: float) -> None:
+        self.args, self.kill_after_s = [str(a) for a in args], kill_after_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.warm = False  # the first answer of a worker also waits for its start-up
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "megapkl.rollout.bounded_verify", *self.args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=env, text=True, bufsize=1)
-        self._warm = False
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.warm = False
 
-    def _stop(self, kill: bool) -> None:
-        proc, self._proc = self._proc, None
+    def stop(self, kill: bool) -> None:
+        proc, self.proc = self.proc, None
         if proc is None:
             return
         if kill:
@@ -123,35 +224,64 @@ class BoundedVerifier:
             except OSError:
                 pass
 
-    def _ask(self, response: str, gold: str) -> Optional[str]:
-        """The worker's answer line, or None when it gave none within the limit."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._stop(kill=True)
-            self._start()
+    def read(self, wait: float) -> Optional[str]:
+        """The next answer line; '' when the worker died, None when none came within `wait`."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], wait)
+        return self.proc.stdout.readline() if ready else None
+
+    def ask(self, payload: Any) -> Optional[str]:
+        """The worker's answer line to `payload` ('' if it died), or None when it gave none in
+        time (the caller then kills it)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop(kill=True)
+            self.start()
         try:
-            self._proc.stdin.write(json.dumps([response, gold, self.require_boxed]) + "\n")
-            self._proc.stdin.flush()
+            self.proc.stdin.write(json.dumps(payload) + "\n")
+            self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return ""
-        wait = self.kill_after_s + (0.0 if self._warm else STARTUP_GRACE_S)
-        ready, _, _ = select.select([self._proc.stdout], [], [], wait)
-        return self._proc.stdout.readline() if ready else None
+        line = self.read(self.kill_after_s + (0.0 if self.warm else STARTUP_GRACE_S))
+        if line:
+            self.warm = True
+        return line
+
+    def __del__(self) -> None:  # a forgotten worker must not leave a process behind
+        try:
+            self.stop(kill=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class BoundedVerifier:
+    """Scores (response, gold) pairs in a worker process; see the module docstring.
+
+    timeout_s: math-verify's own limit inside the worker (None: off). kill_after_s: the caller's
+    hard limit per sample (default 2 x timeout_s + 5 s, which leaves math-verify time to stop
+    itself first)."""
+
+    def __init__(self, timeout_s: Optional[int] = 5, kill_after_s: Optional[float] = None,
+                 require_boxed: bool = True) -> None:
+        self.timeout_s = timeout_s
+        self.kill_after_s = kill_after_s if kill_after_s is not None else 2 * (timeout_s or 5) + 5
+        self.require_boxed = require_boxed
+        self.num_timeouts = 0
+        self.num_killed = 0
+        self._worker = _Worker(["math", timeout_s or 0], self.kill_after_s)
 
     def score(self, response: str, gold: str, where: str = "") -> VerifyResult:
         """The verdict for one response; never raises for a bad or slow answer."""
-        line = self._ask(response, gold)
+        line = self._worker.ask([response, gold, self.require_boxed])
         if line is None:
             self.num_killed += 1
-            self._stop(kill=True)
+            self._worker.stop(kill=True)
             log.warning("math-verify: no verdict within %.0f s for %s (answer %r, gold %r): worker "
                         "killed, counted wrong", self.kill_after_s, where or "a sample",
                         _clip(last_boxed(response) or response), gold)
             return VerifyResult(False, last_boxed(response), f"killed after {self.kill_after_s:g} s")
         if not line:  # the worker died (e.g. out of memory): count wrong, restart next time
-            self._stop(kill=True)
+            self._worker.stop(kill=True)
             log.warning("math-verify worker died while scoring %s; counted wrong", where or "a sample")
             return VerifyResult(False, last_boxed(response), "worker died")
-        self._warm = True
         correct, extracted, error = json.loads(line)
         if error == "timeout":
             self.num_timeouts += 1
@@ -160,7 +290,7 @@ class BoundedVerifier:
         return VerifyResult(bool(correct), extracted, error)
 
     def close(self) -> None:
-        self._stop(kill=False)
+        self._worker.stop(kill=False)
 
     def __enter__(self) -> "BoundedVerifier":
         return self
@@ -168,11 +298,55 @@ class BoundedVerifier:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:  # a forgotten verifier must not leave a process behind
-        try:
-            self._stop(kill=True)
-        except Exception:
-            pass
+
+class BoundedFunction:
+    """Calls the user's function `package.module:callable` in a worker process, each call bounded
+    by `timeout_s` (SIGALRM inside the worker) and by `kill_after_s` (the caller kills the worker
+    and starts a fresh one). Construction starts the worker and fails at once (RewardError) when
+    the function cannot be imported."""
+
+    def __init__(self, dotted: str, timeout_s: float = 10.0,
+                 kill_after_s: Optional[float] = None) -> None:
+        self.dotted, self.timeout_s = dotted, timeout_s
+        self.kill_after_s = kill_after_s if kill_after_s is not None else 2 * timeout_s + 5
+        self._worker = _Worker(["call", dotted, timeout_s], self.kill_after_s)
+        self._start()
+
+    def _start(self) -> None:
+        self._worker.start()
+        line = self._worker.read(STARTUP_GRACE_S)
+        why = {None: f"no answer within {STARTUP_GRACE_S:g} s", "": "the worker exited at start"}
+        answer = json.loads(line) if line else {"error": why[line]}
+        if not answer.get("ready"):
+            self._worker.stop(kill=True)
+            raise RewardError(f"reward.function: cannot load {self.dotted!r} ({answer['error']})")
+        self._worker.warm = True
+
+    def call(self, **kwargs: Any) -> list[float]:
+        """The function's rewards for one call; RewardError when it raised, timed out, returned
+        something else than one finite number per response, or its worker died."""
+        if self._worker.proc is None or self._worker.proc.poll() is not None:
+            self._start()
+        line = self._worker.ask(kwargs)
+        if line is None:
+            self._worker.stop(kill=True)
+            raise RewardError(f"no answer within {self.kill_after_s:g} s (worker killed)")
+        if not line:
+            self._worker.stop(kill=True)
+            raise RewardError("its worker process died")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RewardError(answer["error"])
+        return answer["rewards"]
+
+    def close(self) -> None:
+        self._worker.stop(kill=False)
+
+    def __enter__(self) -> "BoundedFunction":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _clip(text: str, n: int = 80) -> str:
@@ -180,4 +354,7 @@ def _clip(text: str, n: int = 80) -> str:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]) or None)
+    if sys.argv[1] == "call":
+        _serve_calls(sys.argv[2], float(sys.argv[3]))
+    else:
+        _serve_math(int(sys.argv[2]) or None)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within
 TEMPLATES = ("qwen_math", "raw")
 
 
-class DataError(ValueError):
+class DataError(MegapklError, ValueError):
     """A malformed prompt row; the message starts with 'FILE:LINE:' (or 'FILE:row N:')."""
 
 
@@ -78,7 +79,9 @@ def _record_from_row(row: Any, prompt_key: str, answer_key: Optional[str], where
             raise DataError(f"{where}: answer '{answer_key}' must be a string or a number, got "
                             f"{type(answer).__name__}")
         answer = str(answer)
-    return PromptRecord(prompt, answer, source=source, line=line)
+    used = {prompt_key.split(".")[0], *([answer_key.split(".")[0]] if answer_key else [])}
+    extra = {k: v for k, v in row.items() if k not in used}  # for user rewards ("fields")
+    return PromptRecord(prompt, answer, source=source, line=line, extra=extra)
 
 
 class _Collector:
@@ -136,8 +139,7 @@ def read_parquet(path: str, prompt_key: str = "prompt", answer_key: Optional[str
     if missing and on_error == "raise":
         raise DataError(f"{path}:row 1: missing column(s) {missing} (columns: {table.column_names})")
     out = _Collector(on_error)
-    columns = [c for c in table.column_names if c in top]
-    for i, row in enumerate(table.select(columns).to_pylist(), start=1):
+    for i, row in enumerate(table.to_pylist(), start=1):
         out.add(lambda row=row, i=i: _record_from_row(row, prompt_key, answer_key,
                                                       f"{path}:row {i}", path, i))
     return out.records, out.errors
@@ -227,7 +229,7 @@ class PromptDataset:
     def _make_item(self, rec: PromptRecord) -> PromptItem:
         text, has_specials = render_prompt(rec.prompt, self.template, self.tokenizer)
         ids = encode(self.tokenizer, text, add_special_tokens=not has_specials)
-        meta = {"source": rec.source, "line": rec.line, "problem": rec.prompt, **rec.extra}
+        meta = {"source": rec.source, "line": rec.line, "problem": rec.prompt, "fields": rec.extra}
         return PromptItem(ids, text=text, answer=rec.answer, metadata=meta)
 
     @property

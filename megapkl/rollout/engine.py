@@ -17,14 +17,19 @@ from typing import Any, Iterable, Optional, Sequence
 
 from torch import Tensor
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem, Sample
 
 
-class RolloutEngineError(RuntimeError):
+class RolloutError(MegapklError, RuntimeError):
+    """The rollout stage cannot go on: the message names the config key or the file."""
+
+
+class RolloutEngineError(MegapklError, RuntimeError):
     """The engine cannot serve: closed, crashed, unreachable, or holding no weights yet."""
 
 
-class WeightUpdateError(ValueError):
+class WeightUpdateError(MegapklError, ValueError):
     """A pushed weight does not fit the engine's model (unknown name, wrong shape or dtype, or an
     incomplete first load). The engine keeps its previous weights and version."""
 

@@ -1,32 +1,109 @@
-"""`build_engine`: the rollout engine a run config asks for (rollout.engine)."""
+"""Builders of the rollout side from config sections: the tokenizer (one loader for training,
+evaluation and diagnostics), the prompt data, and the run's engine (rollout.engine).
+
+Each builder takes its own section(s) and a small context, never the whole run config."""
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megapkl.rollout.engine import RolloutEngine
+from megapkl.rollout.engine import RolloutEngine, RolloutError
 
 
-def build_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
-                 transform: Optional[Callable] = None, *, device: Any = "cpu",
-                 dtype: Any = None, replica: int = 0, replicas: int = 1) -> RolloutEngine:
-    """`hf_config`: the trainer model's HF config mapping (`megapkl.models.spec.hf_config_dict`).
-    `transform`: per-bucket weight transform for SGLang syncs (the FP8 seam; identity if None:
-    the trainer already stores and pushes FP8-quantized versions when rollout.fp8 is on).
-    `device`/`dtype`: where the embedded engine computes (megapkl.models.provider.engine_placement).
+def load_tokenizer(model: Any, data: Any, *, required: bool = True) -> Any:
+    """The synthetic task's tokenizer (data.synthetic), else the model's Hugging Face tokenizer
+    (model.tokenizer or model.hf_checkpoint, a local directory). Without a source: RolloutError
+    when `required`, else None."""
+    if data.synthetic:
+        from megapkl.rollout.synthetic import make_synthetic_task
+
+        return make_synthetic_task(data.synthetic).tokenizer
+    source = model.tokenizer or model.hf_checkpoint
+    if not source:
+        if not required:
+            return None
+        raise RolloutError("data.train_path needs a tokenizer: set model.tokenizer or "
+                           "model.hf_checkpoint to a local directory")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def build_tokenizer_and_data(model: Any, data: Any, max_prompt_len: Optional[int]):
+    """(tokenizer, prompt dataset, synthetic task or None) for the data section."""
+    from megapkl.rollout.data import build_prompt_dataset
+
+    task = None
+    if data.synthetic:
+        from megapkl.rollout.synthetic import make_synthetic_task
+
+        task = make_synthetic_task(data.synthetic)
+    tokenizer = task.tokenizer if task is not None else load_tokenizer(model, data)
+    return tokenizer, build_prompt_dataset(data, tokenizer, max_prompt_len=max_prompt_len), task
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineContext:
+    """What an engine needs besides the rollout section: the model it serves and where it runs.
     `replica` of `replicas`: which trainer replica (data-parallel leader) builds it; launched SGLang
-    fleets of different replicas get their own ports, logs and exports."""
-    engine = cfg.rollout.engine
-    if engine == "embedded":
-        from megapkl.rollout.embedded import EmbeddedEngine
+    fleets of different replicas get their own ports, logs and exports under `work_dir`."""
+    hf_config: dict                  # the trainer model's HF config (megapkl.models.spec.hf_config_dict)
+    work_dir: Path                   # the run directory
+    seed: int
+    model_dtype: str = "bf16"        # model.dtype: the servers' dtype
+    hf_checkpoint: Optional[str] = None   # model.hf_checkpoint: what launched servers load first
+    routing_replay: bool = False     # model.routing_replay: servers return routed experts
+    device: Any = "cpu"              # the embedded engine's device and dtype
+    dtype: Any = None
+    replica: int = 0
+    replicas: int = 1
+    tensor: int = 1                  # the trainer's layout (parallel.*): where launched servers
+    context: int = 1                 # go on the GPUs beside it (rollout/sglang/placement.py)
+    pipeline: int = 1
 
+
+def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
+                 transform: Optional[Callable] = None) -> RolloutEngine:
+    """The engine `rollout.engine` names. `transform`: per-bucket weight transform of SGLang syncs
+    (identity if None: the trainer already stores and pushes FP8-quantized versions when
+    rollout.fp8 is on)."""
+    if rollout.engine == "embedded":
         import torch
 
-        return EmbeddedEngine(hf_config, tokenizer=tokenizer, seed=cfg.seed, device=device,
-                              dtype=dtype or torch.float32, fp8=cfg.rollout.fp8,
-                              kv_cache_dtype=cfg.rollout.kv_cache_dtype)
-    if engine == "sglang":
+        from megapkl.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(ctx.hf_config, tokenizer=tokenizer, seed=ctx.seed, device=ctx.device,
+                              dtype=ctx.dtype or torch.float32, fp8=rollout.fp8,
+                              kv_cache_dtype=rollout.kv_cache_dtype)
+    if rollout.engine == "sglang":
         from megapkl.rollout.sglang.build import build_sglang_engine
 
-        return build_sglang_engine(cfg, hf_config, tokenizer=tokenizer, transform=transform,
-                                   replica=replica, replicas=replicas)
-    raise ValueError(f"rollout.engine: unknown engine {engine!r} (embedded | sglang)")
+        return build_sglang_engine(rollout, ctx, tokenizer=tokenizer, transform=transform)
+    raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r} (embedded | sglang)")
+
+
+def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,
+                   replica: int = 0, replicas: int = 1) -> EngineContext:
+    """The engine context of a run config for a model's HF config mapping."""
+    p = cfg.parallel
+    return EngineContext(hf_config=hf_config, work_dir=Path(cfg.run_dir or f"runs/{cfg.name}"),
+                         seed=cfg.seed, model_dtype=cfg.model.dtype,
+                         hf_checkpoint=cfg.model.hf_checkpoint,
+                         routing_replay=cfg.model.routing_replay, device=device, dtype=dtype,
+                         replica=replica, replicas=replicas, tensor=p.tensor, context=p.context,
+                         pipeline=p.pipeline)
+
+
+def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1
+                     ) -> RolloutEngine:
+    """The run's rollout engine for the trainer model `spec`, on the device and in the dtype the
+    model dtype calls for (`megapkl.models.provider.engine_placement`); empty: weights come
+    through update_weights."""
+    from megapkl.models.provider import engine_placement
+    from megapkl.models.spec import hf_config_dict
+
+    device, dtype = engine_placement(cfg.model.dtype)
+    hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1])
+    ctx = engine_context(cfg, hf, device=device, dtype=dtype, replica=replica, replicas=replicas)
+    return build_engine(cfg.rollout, ctx, tokenizer)

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from megapkl.errors import MegapklError
 from megapkl.rollout import fp8_cpu
 
 E4M3_MAX = 448.0
@@ -53,7 +54,7 @@ _LINEAR = re.compile(r"(^|\.)(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.)?(gat
 _KEPT = re.compile(r"(^|\.)(embed_tokens|lm_head|mlp\.gate|mlp\.shared_expert_gate)\.weight$")
 
 
-class FP8Error(ValueError):
+class FP8Error(MegapklError, ValueError):
     """A weight or checkpoint FP8 cannot handle; the message names the weight, key or file."""
 
 

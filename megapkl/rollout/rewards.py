@@ -1,66 +1,44 @@
-"""Verifier rewards: a math reward on math-verify (boxed answers) and the synthetic-task reward.
+"""Rewards: the math verifier, the synthetic task's exact match, and the user's own (a Python
+function or an HTTP reward server).
 
-A reward maps a Sample to `correct` or `incorrect` (PKL periodic refresh: +1 / -1; PKL controlled
-staleness and TETPO: 1 / 0). Scoring a response never raises: unparseable output, a parser
-exception or a timeout all give `incorrect`, since one odd completion must not stop a run.
+A reward fills `sample.reward` for a batch of samples. The built-in rewards map each sample to
+`correct` or `incorrect` (PKL periodic refresh: +1 / -1; PKL controlled staleness and TETPO:
+1 / 0) and never raise: unparseable output, a parser exception or a timeout give `incorrect`.
 
 Math (the TETPO recipe): the gold answer is wrapped in \\boxed{} and parsed; the response's last
 complete \\boxed{...} (nested braces allowed) is parsed and verified against it. With
 `require_boxed=False`, a response without a box is parsed by math-verify's own extraction
 (boxed-answer priority, then other LaTeX / plain expressions) instead of scoring `incorrect`.
+math-verify runs in a worker process with a hard time limit (`megapkl.rollout.bounded_verify`),
+the same verifier the evaluation uses, so a pathological answer is scored wrong and logged and
+never hangs a rank.
+
+User rewards (`reward.type: python | http`) score one prompt group per call: the prompts,
+responses, gold answers and dataset fields of the group in, one reward per response out
+(docs/experiments.md). A failure (an exception, a timeout, a wrong answer, a server error) either
+stops the run (`reward.on_error: fail`, agreed by every rank) or scores the group `incorrect`,
+logged and counted in `reward/errors` (`on_error: incorrect`).
 """
 from __future__ import annotations
 
-import functools
+import json
 import logging
-import threading
+import time
 from typing import Any, Optional, Sequence
 
 import torch
 
+from megapkl.rollout.bounded_verify import last_boxed  # noqa: F401 - part of this API
 from megapkl.rollout.sample import Sample
 
 log = logging.getLogger(__name__)
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-def last_boxed(text: str) -> Optional[str]:
-    """Content of the last complete \\boxed{...} (or \\fbox{...}) in `text`, braces balanced;
-    None when there is none (a box cut off by the length limit does not count)."""
-    best: Optional[tuple[int, str]] = None
-    for command in _BOX_COMMANDS:
-        start = text.rfind(command)
-        while start != -1:
-            content = _braced_after(text, start + len(command))
-            if content is not None:
-                if best is None or start > best[0]:
-                    best = (start, content)
-                break
-            start = text.rfind(command, 0, start)
-    return None if best is None else best[1]
-
-
-def _braced_after(text: str, i: int) -> Optional[str]:
-    """The balanced {...} group starting at text[i] (spaces allowed before '{'), else None."""
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j]
-    return None
+ERROR_KEY = "reward_error"  # Sample.metadata key of a failed user reward (on_error: incorrect)
 
 
 class Reward:
-    """Base: `score(sample) -> float`; calling it on samples fills `sample.reward` and returns the
-    rewards as a float32 tensor [M]."""
+    """Base: `scores(samples) -> list[float]`; calling it on samples fills `sample.reward` and
+    returns the rewards as a float32 tensor [M]."""
 
     def __init__(self, correct: float = 1.0, incorrect: float = -1.0):
         if not correct > incorrect:
@@ -73,8 +51,11 @@ class Reward:
     def score(self, sample: Sample) -> float:
         return self.correct if self.is_correct(sample) else self.incorrect
 
+    def scores(self, samples: Sequence[Sample]) -> list[float]:
+        return [self.score(s) for s in samples]
+
     def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
-        values = [self.score(s) for s in samples]
+        values = self.scores(samples)
         for s, v in zip(samples, values):
             s.reward = v
         return torch.tensor(values, dtype=torch.float32)
@@ -83,82 +64,63 @@ class Reward:
         """Fraction correct from rewards (PKL: (1 + mean R) / 2 for +-1)."""
         return float((rewards == self.correct).float().mean()) if rewards.numel() else 0.0
 
+    def close(self) -> None:
+        """Stop what the reward runs (a worker process); idempotent."""
+
+    def __enter__(self) -> "Reward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def response_text(sample: Sample, tokenizer: Any) -> str:
+    if sample.response_text is not None:
+        return sample.response_text
+    if tokenizer is None:
+        raise ValueError("the reward needs Sample.response_text or a tokenizer to decode "
+                         "response_ids")
+    return tokenizer.decode(sample.response_ids.tolist(), skip_special_tokens=True)
+
 
 class MathReward(Reward):
-    """Boxed-answer correctness verified by math-verify.
-
-    `timeout_s` bounds parsing and verification with math-verify's own guard, which relies on
-    SIGALRM and so only works in the main thread; elsewhere it is turned off (math-verify refuses
-    to run with it there) and a pathological expression could block the calling thread.
-    """
+    """Boxed-answer correctness verified by math-verify, in a worker process with a hard limit of
+    `timeout_s` per answer (megapkl.rollout.bounded_verify.BoundedVerifier)."""
 
     def __init__(self, correct: float = 1.0, incorrect: float = -1.0, tokenizer: Any = None,
-                 require_boxed: bool = True, timeout_s: Optional[int] = 5):
+                 require_boxed: bool = True, timeout_s: Optional[float] = 5):
         super().__init__(correct, incorrect)
         import math_verify  # noqa: F401  (fail at construction, not at the first sample)
 
+        from megapkl.rollout.bounded_verify import BoundedVerifier
+
         self.tokenizer = tokenizer
-        self.require_boxed = require_boxed
-        self.timeout_s = timeout_s
+        limit = max(1, round(timeout_s)) if timeout_s else None
+        self.verifier = BoundedVerifier(timeout_s=limit, require_boxed=require_boxed)
 
     def response_text(self, sample: Sample) -> str:
-        if sample.response_text is not None:
-            return sample.response_text
-        if self.tokenizer is None:
-            raise ValueError("MathReward needs Sample.response_text or a tokenizer to decode "
-                             "response_ids")
-        return self.tokenizer.decode(sample.response_ids.tolist(), skip_special_tokens=True)
+        return response_text(sample, self.tokenizer)
 
     def is_correct(self, sample: Sample) -> bool:
         if sample.answer is None:
             raise ValueError(f"sample {sample.uid} has no gold answer (PromptItem.answer)")
-        return self.check(self.response_text(sample), sample.answer)
+        return self.check(self.response_text(sample), sample.answer,
+                          where=f"sample {sample.uid} ({_origin(sample)})")
 
-    def check(self, response: str, gold: str) -> bool:
-        """True when the response's answer verifies against `gold`; False on any failure."""
-        try:
-            return self._check(response, gold)
-        except BaseException as e:  # math-verify's TimeoutException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            log.debug("math reward: verification failed (%s: %s)", type(e).__name__, e)
-            return False
+    def check(self, response: str, gold: str, where: str = "") -> bool:
+        """True when the response's answer verifies against `gold`; False on any failure (a slow
+        answer is logged by the verifier)."""
+        return self.verifier.score(response, gold, where=where).correct
 
-    def _timeout(self) -> Optional[int]:
-        main = threading.current_thread() is threading.main_thread()
-        return self.timeout_s if main and self.timeout_s else None
-
-    def _check(self, response: str, gold: str) -> bool:
-        from math_verify import parse, verify
-
-        timeout = self._timeout()
-        gold_parsed = _parse_gold(gold, timeout)
-        if not gold_parsed:
-            log.warning("math reward: gold answer %r does not parse; scoring incorrect", gold)
-            return False
-        boxed = last_boxed(response)
-        if boxed is not None:
-            pred = parse("\\boxed{" + boxed + "}", parsing_timeout=timeout)
-        elif self.require_boxed:
-            return False
-        else:
-            pred = parse(response, parsing_timeout=timeout)
-        if not pred:
-            return False
-        return bool(verify(gold_parsed, pred, timeout_seconds=timeout))
-
-
-@functools.lru_cache(maxsize=65536)
-def _parse_gold(gold: str, timeout: Optional[int]):
-    """Gold answers repeat across a group's responses and across epochs: parse each once."""
-    from math_verify import parse
-
-    text = gold if "\\boxed" in gold else "\\boxed{" + gold + "}"
-    return parse(text, parsing_timeout=timeout)
+    def close(self) -> None:
+        self.verifier.close()
 
 
 class SyntheticReward(Reward):
-    """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`)."""
+    """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`).
+    A task with partial credit (`task.fraction_correct(ids, answer)` in [0, 1], e.g. count_up_8)
+    scores incorrect + (correct - incorrect) * fraction, and `correct` only when all of it is right,
+    so `accuracy` still counts fully correct responses."""
 
     def __init__(self, task: Any, correct: float = 1.0, incorrect: float = -1.0):
         super().__init__(correct, incorrect)
@@ -171,14 +133,152 @@ class SyntheticReward(Reward):
             log.debug("synthetic reward: %s", e)
             return False
 
+    def score(self, sample: Sample) -> float:
+        fraction = getattr(self.task, "fraction_correct", None)
+        if fraction is None or self.is_correct(sample):
+            return super().score(sample)
+        try:
+            f = float(fraction(sample.response_ids, sample.answer))
+        except Exception as e:
+            log.debug("synthetic reward: %s", e)
+            return self.incorrect
+        return self.incorrect + (self.correct - self.incorrect) * min(max(f, 0.0), 1.0)
+
+
+class GroupReward(Reward):
+    """A user's reward, one prompt group per call (`score_group`); see the module docstring."""
+
+    def __init__(self, correct: float, incorrect: float, *, tokenizer: Any, on_error: str,
+                 what: str) -> None:
+        super().__init__(correct, incorrect)
+        self.tokenizer, self.on_error, self.what = tokenizer, on_error, what
+
+    def score_group(self, payload: dict) -> list[float]:
+        raise NotImplementedError
+
+    def scores(self, samples: Sequence[Sample]) -> list[float]:
+        from megapkl.rollout.bounded_verify import RewardError, check_rewards
+
+        by_group: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            by_group.setdefault(s.group_id, []).append(i)
+        out = [self.incorrect] * len(samples)
+        for members in by_group.values():
+            group = [samples[i] for i in members]
+            try:
+                values = check_rewards(self.score_group(self.payload(group)), len(group))
+            except (RewardError, ValueError) as exc:
+                if self.on_error == "fail":
+                    raise RewardError(f"{self.what} failed on the group of {_origin(group[0])}: "
+                                      f"{exc}") from None
+                log.warning("%s failed on the group of %s (scored reward.incorrect, "
+                            "reward.on_error): %s", self.what, _origin(group[0]), exc)
+                for s in group:
+                    s.metadata[ERROR_KEY] = str(exc)
+                continue
+            for i, v in zip(members, values):
+                out[i] = v
+        return out
+
+    def payload(self, group: Sequence[Sample]) -> dict:
+        """What the user's function / server gets: one entry per response of the group."""
+        return {"prompts": [s.prompt_text for s in group],
+                "responses": [response_text(s, self.tokenizer) for s in group],
+                "answers": [s.answer for s in group],
+                "fields": [_jsonable(s.metadata.get("fields", {})) for s in group]}
+
+
+class FunctionReward(GroupReward):
+    """`reward.type: python`: `reward.function` ("package.module:callable") called as
+    fn(prompts=[...], responses=[...], answers=[...], fields=[...]) -> [reward per response], in a
+    worker process bounded by `reward.timeout_s` (megapkl.rollout.bounded_verify.BoundedFunction)."""
+
+    def __init__(self, function: str, correct: float = 1.0, incorrect: float = -1.0, *,
+                 tokenizer: Any = None, timeout_s: float = 10.0, on_error: str = "fail") -> None:
+        from megapkl.rollout.bounded_verify import BoundedFunction
+
+        super().__init__(correct, incorrect, tokenizer=tokenizer, on_error=on_error,
+                         what=f"reward.function {function}")
+        self.function = BoundedFunction(function, timeout_s=timeout_s)
+
+    def score_group(self, payload: dict) -> list[float]:
+        return self.function.call(**payload)
+
+    def close(self) -> None:
+        self.function.close()
+
+
+class HttpReward(GroupReward):
+    """`reward.type: http`: POST the group's payload as JSON to `reward.url`; the answer is
+    {"rewards": [reward per response]} (or the bare list). Each request waits at most
+    `reward.timeout_s`; a connection failure, a timeout or a 5xx is retried `reward.max_retries`
+    times with a doubling pause (0.5 s, 1 s, ...), a 4xx is not (the request is wrong)."""
+
+    def __init__(self, url: str, correct: float = 1.0, incorrect: float = -1.0, *,
+                 tokenizer: Any = None, timeout_s: float = 10.0, max_retries: int = 2,
+                 on_error: str = "fail") -> None:
+        super().__init__(correct, incorrect, tokenizer=tokenizer, on_error=on_error,
+                         what=f"reward.url {url}")
+        self.url, self.timeout_s, self.max_retries = url, timeout_s, max_retries
+
+    def score_group(self, payload: dict) -> list[float]:
+        import urllib.error
+        import urllib.request
+
+        from megapkl.rollout.bounded_verify import RewardError
+
+        body = json.dumps(payload).encode()
+        errors: list[str] = []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(0.5 * 2 ** (attempt - 1))
+            req = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    answer = json.loads(resp.read().decode("utf-8"))
+            except urllib.error.HTTPError as exc:
+                text = exc.read().decode("utf-8", "replace")[:200]
+                errors.append(f"HTTP {exc.code}: {' '.join(text.split())}")
+                if exc.code < 500:
+                    break
+                continue
+            except (OSError, ValueError) as exc:  # refused, reset, timed out, not JSON
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            return answer["rewards"] if isinstance(answer, dict) and "rewards" in answer else answer
+        raise RewardError(f"{len(errors)} attempt(s) failed: " + " | ".join(errors[-3:]))
+
+
+def _origin(sample: Sample) -> str:
+    """Where a sample's prompt comes from, for messages: 'file:line', else its group."""
+    meta = sample.metadata or {}
+    if "source" in meta and "line" in meta:
+        return f"prompt {meta['source']}:{meta['line']}"
+    return f"prompt group {sample.group_id}"
+
+
+def _jsonable(fields: dict) -> dict:
+    """The dataset row's other fields that JSON can carry (Parquet may hold bytes, dates)."""
+    return {k: v for k, v in fields.items() if _is_json(v)}
+
+
+def _is_json(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
 
 def build_reward(reward_cfg: Any, data_cfg: Any = None, tokenizer: Any = None, task: Any = None
                  ) -> Reward:
-    """From `RewardConfig` (type, correct, incorrect); a synthetic reward needs the task (or
+    """From `RewardConfig` (the reward section); a synthetic reward needs the task (or
     data_cfg.synthetic to build it)."""
-    kind = reward_cfg.type or ("synthetic" if data_cfg is not None and data_cfg.synthetic else "math")
+    r = reward_cfg
+    kind = r.type or ("synthetic" if data_cfg is not None and data_cfg.synthetic else "math")
     if kind == "math":
-        return MathReward(reward_cfg.correct, reward_cfg.incorrect, tokenizer=tokenizer)
+        return MathReward(r.correct, r.incorrect, tokenizer=tokenizer, timeout_s=r.timeout_s)
     if kind == "synthetic":
         if task is None:
             if data_cfg is None or not data_cfg.synthetic:
@@ -186,5 +286,11 @@ def build_reward(reward_cfg: Any, data_cfg: Any = None, tokenizer: Any = None, t
             from megapkl.rollout.synthetic import make_synthetic_task
 
             task = make_synthetic_task(data_cfg.synthetic)
-        return SyntheticReward(task, reward_cfg.correct, reward_cfg.incorrect)
-    raise ValueError(f"unknown reward type {kind!r}; expected 'math' or 'synthetic'")
+        return SyntheticReward(task, r.correct, r.incorrect)
+    if kind == "python":
+        return FunctionReward(r.function, r.correct, r.incorrect, tokenizer=tokenizer,
+                              timeout_s=r.timeout_s, on_error=r.on_error)
+    if kind == "http":
+        return HttpReward(r.url, r.correct, r.incorrect, tokenizer=tokenizer,
+                          timeout_s=r.timeout_s, max_retries=r.max_retries, on_error=r.on_error)
+    raise ValueError(f"unknown reward type {kind!r}; expected math, synthetic, python or http")

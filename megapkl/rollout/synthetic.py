@@ -2,6 +2,9 @@
 
 `add_mod10`: prompt "a+b=" (a, b single digits, 100 prompts), answer the digit (a + b) mod 10.
 `next_mod10`: prompt "d", answer (d + 1) mod 10 (a one-step table; the CPU demo's task).
+`repeat_next_8`, `repeat_next_16`: prompt "d", answer (d + 1) mod 10 written L = 8 or 16 times,
+with partial credit per position: long answers, where per-token and per-sequence off-policy
+corrections differ (see `RepeatNext`).
 The model has 128 output tokens and starts near uniform, so how a response is read decides whether
 RL from a random init gets any signal (`answer_mode`):
 
@@ -23,6 +26,7 @@ EOS 2, so any vocabulary >= 128 holds it and token ids read as text in a debugge
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -135,7 +139,73 @@ class NextMod10(AddMod10):
                 for _ in range(10) for d in range(10)]
 
 
-SYNTHETIC_TASKS = {"add_mod10": AddMod10, "next_mod10": NextMod10}
+class RepeatNext:
+    """Prompt: one digit d; answer: the digit (d + 1) mod 10 written L times. Each of the first L
+    response tokens is read as in add_mod10's "token_class" mode (token id v spells digit
+    (v - 48) mod 10; PAD and BOS spell nothing); a response that stops early (EOS) misses the
+    positions it did not write.
+
+    The reward gives partial credit, `fraction_correct` = (positions equal to the answer) / L,
+    scaled between the reward's incorrect and correct values (rewards -1 / +1: -1 + 2 * fraction);
+    accuracy is all L positions correct. Chance per position is 125/1280, so a uniform policy earns
+    fraction 0.098 and is all-correct with probability 0.098^L. Position 1 is next_mod10's table;
+    every later one is best written by copying the token before it, so the response is L tokens
+    that all move with the policy. That is what the off-policy mechanisms act on: the future-KL
+    credit sums over the T - t + 1 tokens after t (Proximal KL), SIS's test compounds per-token
+    ratios over the response, and sequence ratios (GSPO, TETPO, GEPO) and M2PO's second moment
+    sum L log-ratios.
+
+    Measured on CPU (REINFORCE on the tiny Qwen3, 32 prompts x 8, lr 3e-3, L = 8): this task goes
+    from chance to accuracy ~0.99 in 80-120 updates. Counting up instead (answer d+1, d+2, ...,
+    d+L) did not learn in minutes: each generated token must be mapped to its successor from any
+    of its ~12 spellings; crediting positions against the answer left the fraction at 0.25 after
+    300 updates (accuracy 0), crediting the correct prefix at 0.33 (accuracy 0, GRPO in the
+    trainer), and crediting each digit against the one written before it was exploited by cycles
+    that ignore the prompt (7 8 9 7 8 9 ...: 2/3 of the reward).
+
+    rollout.max_response_len must be at least L (a shorter response cannot be all correct).
+    """
+
+    tokenizer = CharTokenizer()
+
+    def __init__(self, length: int = 8):
+        if length < 1:
+            raise ValueError(f"repeat_next: the answer length must be >= 1, got {length}")
+        self.length = length
+        self.name = f"repeat_next_{length}"
+
+    def problems(self) -> list[SyntheticProblem]:
+        return [SyntheticProblem(str(d), str((d + 1) % 10) * self.length)
+                for _ in range(10) for d in range(10)]
+
+    def extract(self, response_ids: Union[Sequence[int], torch.Tensor]) -> Optional[str]:
+        """The digits the first L response tokens spell ('?' for a token that spells none), up to
+        EOS; None for an empty response."""
+        ids = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else list(response_ids)
+        ids = ids[:self.length]
+        if EOS_ID in ids:
+            ids = ids[:ids.index(EOS_ID)]
+        if not ids:
+            return None
+        return "".join("?" if i in (PAD_ID, BOS_ID) else str((i - ord("0")) % 10) for i in ids)
+
+    def fraction_correct(self, response_ids, answer: str) -> float:
+        got = self.extract(response_ids) or ""
+        return sum(a == b for a, b in zip(got, answer)) / self.length
+
+    def is_correct(self, response_ids, answer: str) -> bool:
+        return self.extract(response_ids) == answer
+
+    def chance_accuracy(self, max_response_len: int, vocab_size: int = 128) -> float:
+        """All-correct probability of a uniform random policy."""
+        if max_response_len < self.length:
+            return 0.0
+        return ((vocab_size - 3) / vocab_size / 10) ** self.length
+
+
+SYNTHETIC_TASKS = {"add_mod10": AddMod10, "next_mod10": NextMod10,
+                   "repeat_next_8": functools.partial(RepeatNext, 8),
+                   "repeat_next_16": functools.partial(RepeatNext, 16)}
 
 
 def make_synthetic_task(name: str, **kwargs):

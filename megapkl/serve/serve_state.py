@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
+from megapkl.errors import MegapklError
 from megapkl.rollout import fp8 as FP8
 from megapkl.rollout.embedded import EmbeddedEngine, iter_safetensors
 from megapkl.rollout.engine import SamplingParams, WeightUpdateError
@@ -29,7 +30,7 @@ from megapkl.rollout.sample import PromptItem, Sample
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class RequestError(ValueError):
+class RequestError(MegapklError, ValueError):
     """A request the server refuses (answered with HTTP 400)."""
 
 

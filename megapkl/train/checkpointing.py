@@ -1,13 +1,16 @@
 """Trainer checkpoints: exact, crash-safe and reshardable resume (SPEC 10: 2N steps == N + resume + N).
 
-A checkpoint `<checkpoint.dir>/step_<u>` holds
-- `model/`: megatron's distributed checkpoint of model, optimizer, LR schedule and RNG (reshardable);
-- `snapshots/<key>/model.safetensors`: the proximal/initial reference snapshots in Hugging Face
-  names and full shapes (written by rank 0 from the collective HF export, read back with the HF
-  importer at any TP/PP/EP layout);
-- `trainer.pt`: everything else the loop needs, in a layout-independent form (trainer_state.py);
+`CheckpointManager` is the one place that decides whether a save is due, saves (exactly once per
+step), loads, prunes and verifies. The components own their state: each part it is handed writes
+its files (`save_files(dir)` / `load_files(dir)`, collective) and/or returns a picklable
+`state_dict()` (`load_state_dict(state)`). A checkpoint `<checkpoint.dir>/step_<u>` holds
+- `model/`: megatron's distributed checkpoint of model, optimizer, LR schedule and RNG
+  (reshardable), and `snapshots/<key>/model.safetensors`: the proximal/initial reference snapshots
+  in Hugging Face names and full shapes (the learner's files);
 - `policy_versions/`: hard links to the policy versions the rollout schedule still needs
-  (megapkl.train.version_store), referenced rather than copied;
+  (megapkl.rollout.version_store), referenced rather than copied (the rollout stage's files);
+- `trainer.pt`: every part's state_dict in a layout-independent form (the rollout stage's prompt
+  iterator and engine version; the loop's update, current batch and NaN counters);
 - `complete`: written last, a JSON manifest (step, layout, every file and its size).
 
 Crash safety: everything is written under `.step_<u>.partial`, fsynced, the manifest added, and the
@@ -21,21 +24,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megapkl.train import trainer_state
-from megapkl.train.runlock import RunLock, RunLockError  # noqa: F401 - re-exported for callers
+from megapkl.errors import MegapklError
+from megapkl.train.agree import RankError, RanksFailed, agree, agreed
+from megapkl.train.runlock import RunLock
+from megapkl.train.timers import Timers
 
 MARKER = "complete"
 STATE = "trainer.pt"
 FORMAT = 2  # 1: per-rank pickles (trainer_rank<r>.pt), same world size only
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegapklError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the directory or file."""
 
 
@@ -47,36 +54,111 @@ def partial_dir(cfg, step: int) -> Path:
     return Path(cfg.checkpoint.dir) / f".step_{step:08d}.partial"
 
 
+class CheckpointManager:
+    """Save, load, prune, verify and "is a save due" for the parts it is handed (name -> part)."""
+
+    def __init__(self, cfg: Any, parts: dict[str, Any], *, layout: dict[str, int],
+                 timers: Optional[Timers] = None) -> None:
+        """`cfg`: the run config (its checkpoint section, train.steps and run paths)."""
+        self.cfg, self.parts, self.layout = cfg, parts, layout
+        self.timers = timers or Timers()
+        self.saved: Optional[int] = None  # the step this run saved (or resumed from) last
+
+    def due(self, step: int) -> bool:
+        """Is a save due after `step` updates (checkpoint.every, and always at the end)?"""
+        every = self.cfg.checkpoint.every
+        return (every > 0 and step % every == 0) or step == self.cfg.train.steps
+
+    def save(self, step: int) -> Path:
+        """Collective: the step-`step` checkpoint, written atomically unless this run saved (or
+        resumed from) it already; returns its directory."""
+        if self.saved != step:
+            t0 = time.perf_counter()
+            with self.timers("checkpoint"):
+                path = save(self.cfg, self.parts, step, self.layout)
+            self.saved = step
+            if dist.get_rank() == 0:
+                print(f"[megapkl.train] saved checkpoint {path} in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
+        return step_dir(self.cfg, step)
+
+    def save_finished(self, update: int) -> str:
+        """Collective, after a failure during update `update` (before its training step) or in the
+        evaluation after update `update - 1`: the checkpoint of the `update` finished updates (the
+        parts have put their state back to the start of the failed work); returns the sentence for
+        the error."""
+        if update == 0:
+            return "no update had finished, so there is nothing to checkpoint"
+        path = self.save(update)
+        return (f"checkpoint {path} holds the {update} finished updates; fix the cause and "
+                "continue with checkpoint.resume=true")
+
+    def resume(self) -> int:
+        """Collective: the latest complete checkpoint (checkpoint.resume: true) or the named one,
+        loaded into the parts at this layout; returns its step (0 without a checkpoint)."""
+        resume = self.cfg.checkpoint.resume
+        path = (latest(self.cfg) if resume is True else Path(resume)) if resume else None
+        if path is None:
+            return 0
+        agreed(lambda: verify(path), what="checking the checkpoint")
+        self.saved = int(load(path, self.parts)["step"])
+        return self.saved
+
+
 # ------------------------------------------------------------------ save
 
 
-def save(trainer, step: int) -> Path:
-    """Collective: write the step-`step` checkpoint atomically; returns its directory."""
-    cfg, rank = trainer.cfg, dist.get_rank()
+def save(cfg, parts: dict[str, Any], step: int, layout: dict[str, int]) -> Path:
+    """Collective: write the step-`step` checkpoint of `parts` atomically; returns its directory.
+    A failure on any rank (a full disk, a quota, an I/O error) is agreed: CheckpointError on every
+    rank, and the previous checkpoint is intact."""
+    rank = dist.get_rank()
     final, tmp = step_dir(cfg, step), partial_dir(cfg, step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir(parents=True)
     dist.barrier()
-    error: Optional[BaseException] = None
+    error: Optional[RankError] = None
     try:
-        _write(trainer, tmp, step)
-    except _SAVE_ERRORS as exc:  # a full disk, a quota, an I/O error
-        error = exc
-    if not _all_ok(error is None):
+        _write(parts, tmp, step, layout)
+    except _SAVE_ERRORS as exc:
+        error = RankError.of(exc)
+    try:
+        agree(error, what=f"saving the step-{step} checkpoint")
+    except RanksFailed as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         prev = latest(cfg)
-        why = _last_line(error) if error else "another rank failed"
+        why = "; ".join(dict.fromkeys(_last_line(e.message) for e in exc.errors))
         raise CheckpointError(
             f"saving the step-{step} checkpoint under {tmp} failed ({why}; "
             f"{_free_kb(tmp.parent)} kB free there); "
-            + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint"))
+            + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
+        ) from None
     if rank == 0:
         _commit(tmp, final)
         _prune(cfg)
     dist.barrier()
     return final
+
+
+def _write(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]) -> None:
+    rank = dist.get_rank()
+    for part in parts.values():  # collective
+        if hasattr(part, "save_files"):
+            part.save_files(tmp)
+    state: dict[str, Any] = {"step": step, "layout": layout}
+    for name, part in parts.items():  # collective for some (the loop gathers its batch)
+        if hasattr(part, "state_dict"):
+            state[name] = part.state_dict()
+    if rank == 0:
+        torch.save(state, tmp / STATE)
+    _fsync_mine(tmp, rank)
+    dist.barrier()
+    if rank == 0:
+        manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
+                    "layout": layout, "files": _sizes(tmp)}
+        _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
 
 
 def _save_errors() -> tuple:
@@ -89,10 +171,11 @@ def _save_errors() -> tuple:
 _SAVE_ERRORS = _save_errors()
 
 
-def _last_line(exc: BaseException) -> str:
-    """The innermost reason: megatron wraps a worker's error (with its traceback) in its own."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
+def _last_line(text: str) -> str:
+    """The innermost reason: megatron wraps a worker's error (with its traceback) in its own,
+    which a rank's one-line report joins with '; '."""
+    parts = [p.strip() for p in text.split("; ") if p.strip()]
+    return parts[-1] if parts else text
 
 
 def _free_kb(path: Path) -> int:
@@ -100,30 +183,6 @@ def _free_kb(path: Path) -> int:
         return shutil.disk_usage(path).free // 1024
     except OSError:
         return -1
-
-
-def _write(trainer, tmp: Path, step: int) -> None:
-    from megapkl.models.checkpoint import save_checkpoint
-
-    learner, rank = trainer.learner, dist.get_rank()
-    save_checkpoint(tmp / "model", learner.model, learner.optimizer, learner.scheduler, step=step,
-                    groups=trainer.groups)
-    trainer_state.save_snapshots(learner, tmp / "snapshots")
-    state = trainer_state.gather(trainer, step, tmp)  # collective; None except on rank 0
-    if rank == 0:
-        torch.save(state, tmp / STATE)
-    _fsync_mine(tmp, rank)
-    dist.barrier()
-    if rank == 0:
-        manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
-                    "layout": trainer_state.layout(trainer), "files": _sizes(tmp)}
-        _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
-
-
-def _all_ok(ok: bool) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not bool(flag.item())
 
 
 def _fsync_mine(tmp: Path, rank: int) -> None:
@@ -228,42 +287,37 @@ def preflight(cfg) -> None:
     RunLock(Path(cfg.run_dir)).check_free()
 
 
-# ------------------------------------------------------------------ resume
+# ------------------------------------------------------------------ load
 
 
-def resume(trainer, resume: Any) -> int:
-    """Load the latest complete checkpoint (resume: true) or the named one; 0 if none exists.
-    Works at another DP/TP/PP layout (trainer_state.py says how the state is re-split)."""
-    cfg = trainer.cfg
-    path = latest(cfg) if resume is True else Path(resume)
-    if path is None:
-        return 0
-    verify(path)
+def load(path: Path, parts: dict[str, Any]) -> dict:
+    """Collective: the verified checkpoint `path` into `parts` (each part's files, then each
+    part's state, in order); returns its trainer state."""
+    for part in parts.values():
+        if hasattr(part, "load_files"):
+            try:
+                part.load_files(path)
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"checkpoint {path}: cannot be loaded ({type(exc).__name__}: "
+                                      f"{' '.join(str(exc).split())[:400]})") from None
     try:
-        trainer_state.load_snapshots(trainer.learner, path / "snapshots")
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {path / 'snapshots'}: cannot load the reference "
-                              f"snapshots: {' '.join(str(exc).split())}") from None
-    _load_model(trainer, path / "model")
-    try:
-        state = torch.load(path / STATE, weights_only=False)
+        state = _upgrade(torch.load(path / STATE, weights_only=False))
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
         raise CheckpointError(f"checkpoint {path / STATE}: cannot be read ({type(exc).__name__}: "
                               f"{' '.join(str(exc).split())})") from None
-    trainer_state.apply(trainer, state, path)
-    return int(state["step"])
+    for name, part in parts.items():
+        if hasattr(part, "load_state_dict"):
+            part.load_state_dict(state[name])
+    return state
 
 
-def _load_model(trainer, path: Path) -> None:
-    from megapkl.models.checkpoint import load_checkpoint
-
-    learner = trainer.learner
-    try:
-        load_checkpoint(path, learner.model, learner.optimizer, learner.scheduler,
-                        groups=trainer.groups)
-    except (OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path}: megatron cannot load it "
-                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:400]})") from None
+def _upgrade(state: dict) -> dict:
+    """trainer.pt of earlier format-2 checkpoints: the loop's state at the top level."""
+    if "loop" not in state and "minibatches" in state:
+        state["loop"] = {"update": state["step"], "minibatches": state.pop("minibatches"),
+                         "nan_streak": state.pop("nan_streak"),
+                         "nan_skipped": state.pop("nan_skipped")}
+    return state
 
 
 def write_resolved_config(cfg, run_dir: Path) -> None:
@@ -282,67 +336,3 @@ def truncate_metrics(run_dir: Path, start: int) -> None:
     rows = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line)["step"] < start]
     path.write_text("".join(r + "\n" for r in rows))
-
-
-# ------------------------------------------------------------------ start and end of a run
-
-
-def begin(trainer) -> int:
-    """Collective, at trainer start: lock the run directory (rank 0; a second live run on it is
-    refused), stop handlers for a local run, then resume. Returns the first update to run."""
-    from megapkl.train import stopping
-
-    msg: list[Optional[str]] = [None]
-    if dist.get_rank() == 0:
-        try:
-            trainer.run_lock = RunLock(Path(trainer.cfg.run_dir)).acquire()
-        except RunLockError as exc:
-            msg = [str(exc)]
-    dist.broadcast_object_list(msg, src=0)
-    if msg[0]:
-        raise RunLockError(msg[0])
-    if trainer.ctx is None:
-        stopping.install()
-    try:
-        return resume(trainer, trainer.cfg.checkpoint.resume) if trainer.cfg.checkpoint.resume else 0
-    except BaseException:
-        end(trainer)
-        raise
-
-
-def stop_if_requested(trainer, u: int, saved: bool) -> bool:
-    """Collective, after update u: on SIGTERM/SIGINT save (unless just saved) and say stop."""
-    from megapkl.train import stopping
-
-    if trainer.ctx is not None:
-        return False
-    sig = stopping.requested()
-    if sig is None:
-        return False
-    path = step_dir(trainer.cfg, u + 1) if saved else save(trainer, u + 1)
-    if dist.get_rank() == 0:
-        import sys
-        print(f"[megapkl.train] {sig}: stopped after update {u} with checkpoint {path}; continue "
-              "with checkpoint.resume=true", file=sys.stderr, flush=True)
-    return True
-
-
-def save_for_outage(trainer, update: int) -> str:
-    """Collective, when the rollout engines failed during update `update` (before its training
-    step), or in the evaluation after update `update - 1`: the checkpoint of the last finished
-    update, unless it exists already (checkpoint.every, or the resume point); returns the sentence
-    for the error. The rollout stage has put its state back to the start of the batch (or to the
-    version rollouts used before the evaluation), so a resume continues exactly."""
-    if update == 0:
-        return "no update had finished, so there is nothing to checkpoint"
-    exists = [(step_dir(trainer.cfg, update) / MARKER).is_file()]
-    dist.broadcast_object_list(exists, src=0)  # one decision for every rank
-    path = step_dir(trainer.cfg, update) if exists[0] else save(trainer, update)
-    return (f"checkpoint {path} holds the {update} finished updates; fix the engines and continue "
-            "with checkpoint.resume=true")
-
-
-def end(trainer) -> None:
-    lock = getattr(trainer, "run_lock", None)
-    if lock is not None:
-        lock.release()

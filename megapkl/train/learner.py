@@ -26,6 +26,8 @@ from megapkl.parallel.batching import MicroBatch, pad_multiple
 from megapkl.parallel.microbatches import build_micro_batches
 from megapkl.parallel.groups import ParallelGroups
 
+SNAPSHOT_INDEX = "index.json"
+
 
 def optim_settings(cfg) -> OptimSettings:
     """Adam settings from the run config's `train` section (SPEC 10)."""
@@ -69,6 +71,7 @@ class Learner:
         self.snapshots = SnapshotStore(self.model)
         self.temperature = cfg.rollout.temperature
         self.multiple = pad_multiple(groups.cp_size, groups.tp_size, cfg.parallel.sequence_parallel)
+        self.forward_passes = 0  # passes over a set of micro-batches (reference and training)
 
     # ------------------------------------------------------------------ batches
 
@@ -91,6 +94,7 @@ class Learner:
                  ) -> dict[int, torch.Tensor]:
         """{uid: [T]} log-probs (CPU) of the micro-batches' tokens under the current weights or a
         snapshot, on every rank (broadcast from the last pipeline stage)."""
+        self.forward_passes += 1
         with self._weights(snapshot):
             out = ML.forward_logprobs(self.groups, self.model, micro_batches, self.temperature)
         return self._from_last_stage(out)
@@ -99,6 +103,7 @@ class Learner:
                       snapshot: Optional[str] = None) -> None:
         """Write the local action tokens' log-probs under the weights or a snapshot into each
         micro-batch's field `name` (e.g. logp_prox): no gather, the shards are reused as is."""
+        self.forward_passes += 1
         with self._weights(snapshot):
             ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
 
@@ -120,7 +125,9 @@ class Learner:
         zero_grads(self.model, self.optimizer)
         stats = ML.count_minibatch(mbs, self.groups)
         if ML.prepass_required(obj, self.groups, len(mbs)):
+            self.forward_passes += 1
             stats = ML.run_prepass(obj, self.groups, self.model, mbs, stats, self.temperature, step)
+        self.forward_passes += 1
         spec = ML.PolicyLossSpec(cfg=obj, groups=self.groups, stats=stats,
                                  temperature=self.temperature, step=step)
         reports = ML.forward_backward(spec, self.model, mbs)
@@ -140,6 +147,57 @@ class Learner:
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, on every rank (collective)."""
         return export_hf_weights(self.model, spec=self.spec, groups=self.groups)
+
+    # ------------------------------------------------------------------ checkpoint files
+
+    def save_files(self, directory: Path) -> None:
+        """Collective: megatron's distributed checkpoint of model, optimizer, LR schedule and RNG
+        under `directory/model` (reshardable), and the reference snapshots as Hugging Face
+        safetensors under `directory/snapshots` (read back at any TP/PP/EP layout)."""
+        from megapkl.models.checkpoint import save_checkpoint
+
+        save_checkpoint(directory / "model", self.model, self.optimizer, self.scheduler,
+                        groups=self.groups)
+        self._save_snapshots(directory / "snapshots")
+
+    def load_files(self, directory: Path) -> None:
+        """Collective: the state `save_files` wrote, at this rank's layout (snapshots first: they
+        pass through the live model, which megatron's checkpoint then overwrites)."""
+        from megapkl.models.checkpoint import load_checkpoint
+
+        self._load_snapshots(directory / "snapshots")
+        load_checkpoint(directory / "model", self.model, self.optimizer, self.scheduler,
+                        groups=self.groups)
+
+    def _save_snapshots(self, root: Path) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        rank = dist.get_rank()
+        index = {}
+        for key in sorted(self.snapshots.keys()):
+            with self.snapshots.swapped_in(key):
+                # copy: the export hands out replicated tensors (norms) as the live parameters,
+                # which the end of the block restores to the current weights
+                tensors = {name: t.detach().to("cpu", copy=True).contiguous()
+                           for name, t in self.export()}
+            if rank == 0:
+                (root / key).mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(root / key / "model.safetensors"))
+            index[key] = self.snapshots.meta(key)
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / SNAPSHOT_INDEX).write_text(json.dumps(index))
+
+    def _load_snapshots(self, root: Path) -> None:
+        import json
+
+        index = json.loads((root / SNAPSHOT_INDEX).read_text())
+        for key, meta in index.items():
+            load_hf_weights(self.model, root / key, spec=self.spec, groups=self.groups,
+                            check_config=False)
+            self.snapshots.save(key, meta=meta)
 
     def _from_last_stage(self, obj: Any) -> Any:
         """The last pipeline stage's `obj` on every stage (one object broadcast over PP)."""

@@ -2,43 +2,51 @@
 
     for each optimizer update u:
         plan = schedule.plan(u)                     which versions generate, when the reference moves
-        keep the learner's weights if a later batch may be generated from version u
-        refresh the proximal reference snapshot     (every L updates, or per global batch)
+        keep the learner's weights where later work needs them (reference / initial snapshots,
+            the policy version a later batch may be generated from)
         if the plan starts a batch:
             rollout -> reward -> advantages -> dynamic sampling   (rollouts.py)
         minibatch = the plan's slice of the batch
-        proximal / initial-model log-probs          (frozen snapshots, no grad)
+        reference log-probs: one forward per distinct weights (the live weights' pass also gives
+            the train-inference mismatch metrics)
         distributed policy loss -> optimizer        (learner.py)
-        log; checkpoint; poll for preemption
+        evaluate (eval.every); log; checkpoint when due; stop on a signal or a preemption
 
+A failure of the weights' export, the rollout or the evaluation on any rank stops every rank alike
+(megapkl.train.agree): the finished updates are checkpointed and the run ends with one line.
 `run(cfg)` is called on every rank with torch.distributed up (Slurm/torchrun/forked) or alone.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megapkl.eval.hook import Evaluator
-from megapkl.parallel.groups import replica_group
+from megapkl import runlog
+from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
+from megapkl.train.agree import RanksFailed, agreed
 from megapkl.train.learner import Learner
+from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
-from megapkl.train.rollouts import EnginesDown, RolloutStage
+from megapkl.train.rollouts import Replica, build_rollout_stage
+from megapkl.train.run_context import RunContext
 from megapkl.train.schedule import Schedule
+from megapkl.train.timers import Timers
 
 
-class TrainingError(RuntimeError):
-    pass
+class RunStopped(TrainingError):
+    """Some rank failed during an update: the run saved its finished updates and stopped."""
 
 
-class EnginesStopped(TrainingError):
-    """The rollout engines could not serve: the run saved its last finished update and stopped."""
+class EnginesStopped(RunStopped):
+    """The rollout engines could not serve: the run saved its finished updates and stopped."""
 
 
 def init_groups(cfg):
@@ -46,10 +54,9 @@ def init_groups(cfg):
 
     The one place a trainer process installs megatron's CPU compatibility layer: only in a
     process without CUDA (`compat.install` does nothing when CUDA is available)."""
-    import os
-
     from megapkl.models.provider import check_dtype_on_this_machine
     from megapkl.parallel import compat
+    from megapkl.parallel.forked import free_port
     from megapkl.parallel.groups import init_parallel
 
     check_dtype_on_this_machine(cfg.model)  # before any process group starts
@@ -57,17 +64,11 @@ def init_groups(cfg):
         compat.install()
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     p = cfg.parallel
     return init_parallel(tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert,
                          etp=1 if p.expert > 1 else None, seed=cfg.train.seed)
-
-
-def _free_port() -> int:
-    from megapkl.parallel.forked import free_port
-
-    return free_port()
 
 
 def may_generate_from(s: Schedule, version: int) -> bool:
@@ -80,174 +81,221 @@ def may_generate_from(s: Schedule, version: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, cfg, ctx: Any = None) -> None:
-        self.cfg, self.ctx = cfg, ctx
-        self.groups = init_groups(cfg)
-        self.rank = dist.get_rank()
-        self.run_dir = Path(cfg.run_dir)
-        self.learner = Learner(cfg, self.groups)
-        g = self.groups
-        leader = g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0
-        self.rollouts = RolloutStage(cfg, self.learner.spec, dp_rank=g.dp_rank, dp_size=g.dp_size,
-                                     leader=leader, replica_group=replica_group(g), dp_group=g.dp)
+    """The run's components, each built from its config section and closed by `context` however
+    the run ends; `run()` is the loop."""
+
+    def __init__(self, cfg, context: RunContext) -> None:
+        self.cfg, self.context, self.timers = cfg, context, Timers()
+        self.groups = g = init_groups(cfg)
+        self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
+        context.lock(self.run_dir)  # before anything is launched
+        runlog.attach(self.run_dir)  # other libraries' warnings: into the run's megapkl.log
         self.schedule = Schedule.from_config(cfg)
-        self.batch: list = []      # this rank's samples of the current global batch
-        self.nan_streak, self.nan_skipped, self.start = 0, 0, 0
-        self.start = ckpt.begin(self)  # run-directory lock, stop signals, resume
+        self.loop = LoopState(minibatches=cfg.rollout.minibatches_per_batch, dp_rank=g.dp_rank,
+                              dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
+        self.learner = Learner(cfg, g)
+        replica = Replica.of(g)
+        self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
+            cfg, self.learner.spec, replica, self.timers, context.hold), what="starting the rollouts")
+        self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
+        self.checkpoints = ckpt.CheckpointManager(cfg, {
+            "learner": self.learner, "rollouts": self.rollouts, "loop": self.loop},
+            layout={"tp": g.tp_size, "pp": g.pp_size, "cp": g.cp_size, "dp": g.dp_size,
+                    "ep": g.ep_size}, timers=self.timers)
+        self.loop.update = self.checkpoints.resume()
         if self.rank == 0:
-            ckpt.write_resolved_config(cfg, self.run_dir)
-        if self.rank == 0 and self.start > 0:
-            ckpt.truncate_metrics(self.run_dir, self.start)
-            print(f"[megapkl.train] resumed from the step-{self.start} checkpoint in "
-                  f"{cfg.checkpoint.dir}: continuing at update {self.start}", file=sys.stderr,
-                  flush=True)
-        self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0,
-                                    tensorboard=cfg.logging.tensorboard,
-                                    progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
-                                    resume=self.start > 0, wandb=cfg.logging.wandb, run_name=cfg.name)
-        self.evaluator = Evaluator.create(self)  # None unless eval.every / eval.at_start
+            self._announce()
+        self.logger = context.hold(MetricsLogger(
+            self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
+            resume=self.loop.update > 0, wandb=cfg.logging.wandb, run_name=cfg.name))
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, float]:
-        last: dict[str, float] = {}
-        for u in range(self.start, self.cfg.train.steps):
+        self.timers.start()
+        last, pending = {}, self.evaluate_at_start()
+        for u in range(self.loop.update, self.cfg.train.steps):
             plan = self.schedule.plan(u)
-            self.keep_weights(u)
-            if plan.refresh_reference and plan.reference_version == u and self.reference_mode == "snapshot":
-                self.learner.snapshots.save("reference", meta=u)
-            t0 = time.time()
-            if plan.new_batch:
-                self.new_batch(plan)
-            minibatch = self.minibatch(plan)
-            micro_batches = self.learner.pack(minibatch)   # once: reference pass and training
-            self.fill_reference(micro_batches, plan)
-            exact = mismatch.exact_version_metrics(self, minibatch, micro_batches, plan)
-            t1 = time.time()
-            metrics, applied = self.learner.train_step(micro_batches, step=u)
-            t2 = time.time()
-            self.check_finite(u, metrics, applied)
-            metrics.update(self.rollout_metrics(plan, minibatch, t2 - t1, t1 - t0))
-            metrics.update(exact, **(self.rollouts.load_metrics() if plan.new_batch else {}))
-            metrics.update(self.evaluate(u, metrics))
-            self.logger.log(u, metrics)
-            last = metrics
-            saved = self.checkpoint_due(u)
-            if saved:
-                ckpt.save(self, u + 1)
-            if ckpt.stop_if_requested(self, u, saved):  # SIGTERM/SIGINT on a local run
+            with self.stop_on_failure(u):  # any rank: checkpoint the finished updates, one error
+                self.keep_weights(plan)
+                if plan.new_batch:
+                    self.new_batch(plan)
+            minibatch = self.loop.minibatch(plan.minibatch)
+            with self.timers("reference"):
+                micro_batches = self.learner.pack(minibatch)  # once: reference passes, training
+                exact = self.reference_forwards(micro_batches, minibatch, plan)
+            with self.timers("train"):
+                metrics, applied = self.learner.train_step(micro_batches, step=u)
+            self.loop.count(u, metrics, applied)  # a non-finite loss skips; too many in a row stop
+            self.loop.update = u + 1
+            metrics.update(exact, **pending, **self.rollout_metrics(plan, minibatch))
+            with self.stop_on_failure(u + 1, row=metrics):
+                metrics.update(self.evaluate(u))
+            last, pending = self.log(u, metrics), {}
+            if self.end_update(u):  # checkpoint when due; stop on a signal or a preemption
                 break
-            # Preemption (launcher context): checkpoint and requeue at this update boundary. Not
-            # after the last update: the run is done, a requeue would only restart it to return {}.
-            more = u + 1 < self.cfg.train.steps
-            if self.ctx is not None and more and self.ctx.preempt_requested():
-                if not saved:
-                    ckpt.save(self, u + 1)
-                self.ctx.requeue()  # never returns
-        self.logger.close()
-        if self.evaluator:
-            self.evaluator.close()
         return last
 
     # ------------------------------------------------------------------ steps of an update
 
-    @property
-    def reference_mode(self) -> str:
-        return self.cfg.reference.mode
-
-    def keep_weights(self, u: int) -> None:
-        """Export the learner's version u into the rollout pool if a batch may be generated from it."""
-        if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
-            self.learner.snapshots.save("init", meta=0)
-        if may_generate_from(self.schedule, u):
-            self.rollouts.remember(u, self.learner.export())
-        self.rollouts.forget_before(self.schedule.oldest_needed(u))
+    def keep_weights(self, plan) -> None:
+        """Keep the learner's weights (version u) where later work needs them: the reference and
+        initial snapshots, and the rollout pool if a batch may be generated from version u."""
+        u, snapshots = plan.update, self.learner.snapshots
+        with self.timers("export"):
+            if plan.refresh_reference and plan.reference_version == u and \
+                    self.cfg.reference.mode == "snapshot":
+                snapshots.save("reference", meta=u)
+            if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
+                snapshots.save("init", meta=0)
+            if may_generate_from(self.schedule, u):
+                self.rollouts.remember(u, self.learner.export)
+            else:
+                self.rollouts.drop(u)  # written by an evaluation; no batch is generated from it
+            self.rollouts.forget_before(self.schedule.oldest_needed(u))
 
     def new_batch(self, plan) -> None:
-        try:
-            self.batch = self.rollouts.collect(plan.batch, plan.group_versions)
-        except EnginesDown as exc:  # raised on every rank at once: the save below is collective
-            raise EnginesStopped(f"update {plan.update}: the rollout engines failed: {exc}; "
-                                 + ckpt.save_for_outage(self, plan.update)) from None
-        if self.reference_mode == "per_batch":  # PKL C.2: recomputed once, frozen for the batch
-            logp = self.learner.logprobs(self.learner.pack(self.batch))
-            for s in self.batch:
+        self.loop.batch = self.rollouts.collect(plan.batch, plan.group_versions)
+        if self.cfg.reference.mode == "per_batch":  # PKL C.2: recomputed once, frozen for the batch
+            with self.timers("reference"):
+                logp = self.learner.logprobs(self.learner.pack(self.loop.batch))
+            for s in self.loop.batch:
                 s.logp_prox = logp[s.uid]
 
-    def evaluate(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
-        """eval/* metrics for update u's row (eval.every). If the evaluation's engines fail (on
-        every rank at once), update u is finished: its row is logged, it is checkpointed, and the
-        run stops as after a rollout outage."""
-        if not self.evaluator:
-            return {}
-        try:
-            return self.evaluator.after_update(u)
-        except EnginesDown as exc:
-            self.logger.log(u, metrics)
-            raise EnginesStopped(f"update {u}: the evaluation's engines failed: {exc}; "
-                                 + ckpt.save_for_outage(self, u + 1)) from None
-
-    def minibatch(self, plan) -> list:
-        n = self.cfg.rollout.minibatches_per_batch
-        per = len(self.batch) // n
-        return self.batch[plan.minibatch * per:(plan.minibatch + 1) * per]
-
-    def fill_reference(self, micro_batches: list, plan) -> None:
-        """Proximal (snapshot mode) and initial-model log-probs into the packed micro-batches."""
-        if self.reference_mode == "snapshot":
-            current = plan.reference_version == plan.update
-            self.learner.fill_logprobs(micro_batches, "logp_prox", None if current else "reference")
+    def reference_forwards(self, micro_batches: list, minibatch: list, plan) -> dict[str, float]:
+        """Proximal (snapshot mode) and initial-model log-probs into the micro-batches, with one
+        forward pass per distinct weights; the live weights' pass (or the per-batch reference of
+        the batch's first minibatch) also gives the mismatch metrics, without a pass of its own."""
+        wants: dict[str, Optional[str]] = {}  # micro-batch field -> weights (None: the live ones)
+        if self.cfg.reference.mode == "snapshot":
+            wants["logp_prox"] = None if plan.reference_version == plan.update else "reference"
         if self.cfg.objective.kl_init_coef > 0:
-            self.learner.fill_logprobs(micro_batches, "logp_init", None if plan.update == 0 else "init")
+            wants["logp_init"] = None if plan.update == 0 else "init"
+        per_batch = self.cfg.reference.mode == "per_batch" and plan.minibatch == 0
+        live, own = ("logp_prox" if per_batch else None), None
+        record = self.cfg.model.routing_replay  # the engine's routing: compare the routers' own
+        for weights in dict.fromkeys(wants.values()):
+            first, *more = [f for f, w in wants.items() if w == weights]
+            with (self.learner.own_routing() if record and weights is None
+                  else contextlib.nullcontext()) as got:
+                self.learner.fill_logprobs(micro_batches, first, weights)
+            for mb in micro_batches:  # the same weights and tokens: the same values
+                for name in more if first in mb.fields else ():
+                    mb.fields[name] = mb.fields[first].clone()
+            if weights is None:
+                live, own = first, got
+        return mismatch.exact_version_metrics(self.learner, minibatch, micro_batches, plan.update,
+                                              field=live, own=own)
 
-    def check_finite(self, u: int, metrics: dict, applied: bool) -> None:
-        """SPEC: a NaN/Inf loss skips the update with a logged count; too many in a row abort."""
-        if applied:
-            self.nan_streak = 0
-        else:
-            self.nan_streak += 1
-            self.nan_skipped += 1
-        metrics["train/skipped_updates"] = float(self.nan_skipped)
-        limit = self.cfg.train.max_nan_skips_in_row
-        if self.nan_streak > limit:
-            raise TrainingError(
-                f"update {u}: non-finite loss ({metrics.get('loss')}) in {self.nan_streak} updates "
-                f"in a row (train.max_nan_skips_in_row = {limit}); stopping. Lower train.lr, check "
-                "the rollout log-probs (temperature) or the objective's clip settings.")
+    def evaluate_at_start(self) -> dict[str, float]:
+        """eval.at_start: the initial policy's eval/* metrics, for the first row."""
+        if not self.evaluator or not self.cfg.eval.at_start or self.loop.update > 0:
+            return {}
+        with self.stop_on_failure(0), self.timers("eval"):
+            return self.evaluator.run(0)
 
-    def rollout_metrics(self, plan, minibatch: list, train_s: float, prep_s: float
-                        ) -> dict[str, float]:
+    def evaluate(self, u: int) -> dict[str, float]:
+        """eval/* metrics for update u's row (eval.every)."""
+        if not self.evaluator or not self.evaluator.due(u):
+            return {}
+        with self.timers("eval"):
+            return self.evaluator.run(u + 1)
+
+    @contextlib.contextmanager
+    def stop_on_failure(self, finished: int, row: Optional[dict] = None) -> Iterator[None]:
+        """A failure agreed by every rank (RanksFailed) while `finished` updates are done: log the
+        finished update's `row` (the evaluation after it failed), checkpoint the finished updates,
+        and stop the run with one line."""
+        try:
+            yield
+        except RanksFailed as exc:
+            if row is not None:
+                self.log(finished - 1, row)
+            kind = EnginesStopped if exc.outage else RunStopped
+            raise kind(f"update {finished - (row is not None)}: {exc}; "
+                       + self.checkpoints.save_finished(finished)) from None
+
+    def rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         """Reward, accuracy, staleness, lengths and throughput of this update's minibatch (global)."""
-        samples = minibatch
-        correct = self.rollouts.reward.correct
+        with self.timers("log"):
+            return self._rollout_metrics(plan, minibatch)
+
+    def _rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
+        samples, device = minibatch, self.groups.device
+        correct = self.rollouts.correct
         stale = [plan.update - s.version for s in samples]
         tokens = sum(s.response_len for s in samples)
+        failed = sum(ERROR_KEY in s.metadata for s in samples)  # user reward, on_error: incorrect
         vec = torch.tensor([len(samples), sum(s.reward for s in samples),
-                            sum(s.reward == correct for s in samples), sum(stale), tokens],
-                           dtype=torch.float64, device=self.groups.device)
-        top = torch.tensor([max(stale, default=0)], dtype=torch.float64, device=self.groups.device)
+                            sum(s.reward == correct for s in samples), sum(stale), tokens, failed],
+                           dtype=torch.float64, device=device)
+        top = torch.tensor([max(stale, default=0)], dtype=torch.float64, device=device)
         if self.groups.dp_size > 1:
             dist.all_reduce(vec, group=self.groups.dp)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        n, reward, right, stale_sum, tok = vec.cpu().tolist()
-        return {"reward/mean": reward / n, "train/accuracy": right / n,
-                "staleness/mean": stale_sum / n, "staleness/max": float(top.item()),
-                "response_len/mean": tok / n, "tokens_per_s": tok / max(train_s, 1e-9),
-                "time/train_s": train_s, "time/rollout_s": prep_s}
+        n, reward, right, stale_sum, tok, failed = vec.cpu().tolist()
+        out = {"reward/mean": reward / n, "train/accuracy": right / n, "reward/errors": failed,
+               "staleness/mean": stale_sum / n, "staleness/max": float(top.item()),
+               "response_len/mean": tok / n,
+               "tokens_per_s": tok / max(self.timers.totals["train"], 1e-9)}
+        return {**out, **(self.rollouts.load_metrics() if plan.new_batch else {})}
 
-    def checkpoint_due(self, u: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return (every > 0 and (u + 1) % every == 0) or u + 1 == self.cfg.train.steps
+    def log(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
+        metrics["train/forward_passes"] = float(self.learner.forward_passes)
+        self.learner.forward_passes = 0
+        metrics.update(self.timers.lap())  # what this update's wall time went to
+        with self.timers("log"):
+            self.logger.log(u, metrics)
+        return metrics
+
+    def end_update(self, u: int) -> bool:
+        """After update u: save when a checkpoint is due or the run stops (a signal or a
+        preemption on any rank, asked in one collective); True to stop. After the last update,
+        checkpoint.export_hf also writes the final weights in Hugging Face format."""
+        more = u + 1 < self.cfg.train.steps  # a preempted last update: done, nothing to requeue
+        stop = self.context.stop_requested() if more else None
+        if stop or self.checkpoints.due(u + 1):
+            path = self.checkpoints.save(u + 1)
+            if stop:
+                self.context.stop(stop, u, path)  # a preemption requeues (never returns)
+        if not more and self.cfg.checkpoint.export_hf:
+            from megapkl.models.hf import save_hf_checkpoint
+
+            with self.timers("checkpoint"):  # collective; rank 0 writes
+                save_hf_checkpoint(self.learner.model, Path(self.cfg.checkpoint.dir) / "hf",
+                                   spec=self.learner.spec, groups=self.groups)
+        return stop is not None
+
+    # ------------------------------------------------------------------ construction
+
+    def _evaluator(self):
+        """The evaluator (None unless eval.every or eval.at_start), on the rollout stage's engine."""
+        from megapkl.train.evaluation import Evaluator
+
+        cfg = self.cfg
+        if cfg.eval.every == 0 and not cfg.eval.at_start:
+            return None
+        return self.context.hold(Evaluator(
+            cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
+            out_dir=self.run_dir / "eval", dp=(self.groups.dp_rank, self.groups.dp_size),
+            rollouts=self.rollouts, export=self.learner.export))
+
+    def _announce(self) -> None:
+        """Rank 0: the resolved config that alone reproduces the run; after a resume, the metrics
+        rows past the checkpoint are dropped (the resumed run writes them again)."""
+        ckpt.write_resolved_config(self.cfg, self.run_dir)
+        start = self.loop.update
+        if start > 0:
+            ckpt.truncate_metrics(self.run_dir, start)
+            print(f"[megapkl.train] resumed from the step-{start} checkpoint in "
+                  f"{self.cfg.checkpoint.dir}: continuing at update {start}", file=sys.stderr,
+                  flush=True)
 
 
 def run(cfg, ctx: Any = None) -> dict[str, float]:
-    """Train `cfg` on this rank; returns the last update's metrics."""
+    """Train `cfg` on this rank; returns the last update's metrics. `ctx`: the launcher's context
+    (Slurm preemption and requeue), None for a local run."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    trainer = Trainer(cfg, ctx)
-    try:
-        return trainer.run()
-    finally:
-        engine = trainer.rollouts.engine
-        if engine is not None:  # launched servers stop with the run, not only at exit
-            engine.close()
-        ckpt.end(trainer)
+    with RunContext(ctx) as context:
+        return Trainer(cfg, context).run()

@@ -16,6 +16,12 @@ from typing import Any, Optional, TextIO
 METRICS_FILE = "metrics.jsonl"
 
 
+def wall_clock(key: str) -> bool:
+    """Is metric `key` a wall-clock measurement (different in any two runs of one config)? All
+    other metrics are the same for a parallel layout, an engine placement or a restart."""
+    return key in ("time", "tokens_per_s") or key.startswith("time/")
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
                  progress: bool = True, total_steps: Optional[int] = None, resume: bool = False,
@@ -61,8 +67,11 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
             self._wandb = None
+            wandb.teardown()  # its service process ends with the run, not with the interpreter
 
 
 def start_wandb(cfg: Any, run_dir: Path, run_name: str):

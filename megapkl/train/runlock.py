@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megapkl.errors import MegapklError
+
 LOCK = ".lock"
 
 
-class RunLockError(RuntimeError):
+class RunLockError(MegapklError, RuntimeError):
     """The run directory is in use by a live run."""
 
 
@@ -72,3 +74,5 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the lock
             self._fd = None
+
+    close = release  # the run context closes what it holds

@@ -1,39 +1,48 @@
 """SIGTERM / SIGINT on a local run: finish the current update, checkpoint, exit cleanly.
 
-The handler only records the signal; the loop asks `requested()` at each update boundary, which
-agrees across ranks (a signal may reach only some of them), so every rank saves the same
-checkpoint and stops together. Under Slurm (a launcher context) submitit owns SIGTERM and the
-preemption path checkpoints and requeues instead; these handlers are not installed there.
+The handler only records the signal; the run context asks at each update boundary, in the one
+collective that also carries a Slurm preemption (`RunContext.stop_requested`), so every rank
+saves the same checkpoint and stops together. A second signal does not wait for the update to
+finish: it raises KeyboardInterrupt, and the run context closes what the run holds (its engines,
+logs and lock) without a checkpoint. Under Slurm (a launcher context) submitit owns SIGTERM and
+the preemption path checkpoints and requeues instead; these handlers are not installed there.
 """
 from __future__ import annotations
 
 import signal
-from typing import Optional
+from typing import Any, Callable, Optional
 
-import torch
-import torch.distributed as dist
-
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: Optional[int] = None
 
 
 def _record(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     global _received
+    if _received is not None:  # the second one: stop now
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} again: stopping without a "
+                                "checkpoint")
     _received = signum
 
 
-def install() -> None:
+def install() -> Callable[[], None]:
+    """Record SIGTERM/SIGINT from now on; returns the function that puts the old handlers back."""
     global _received
     _received = None
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _record)
+    old: dict[int, Any] = {sig: signal.signal(sig, _record) for sig in STOP_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return restore
 
 
-def requested() -> Optional[str]:
-    """Collective: the name of a stop signal any rank received, else None."""
-    flag = torch.tensor([_received or 0], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return signal.Signals(int(flag.item())).name if int(flag.item()) else None
+def received() -> int:
+    """The signal number recorded on this rank (0: none). Local: the run context agrees on it."""
+    return int(_received or 0)
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 def forward_to_children() -> None:
@@ -47,5 +56,5 @@ def forward_to_children() -> None:
             if child.pid is not None:
                 os.kill(child.pid, signal.SIGTERM)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)

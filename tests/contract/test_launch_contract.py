@@ -6,13 +6,15 @@ with `device="cpu"` set on the parsed record: these machines have no accelerator
 resolution refuses to guess one), `ModelConfig.from_server_args` on the directory megapkl serves,
 `TorchMemorySaverAdapter.create`, and sglang_router's `parse_router_args`.
 Not executed: `sglang.launch_server` itself (it starts GPU scheduler processes).
+
+Each variant is launched the way a one-node, 8-GPU job launches it (megapkl_side.py): the trainer's
+layout, the fleets of its data-parallel replicas, and the launcher's environment in each leader.
 """
 from __future__ import annotations
 
 import pytest
 
-from megapkl_side import VARIANTS, launched
-
+from megapkl_side import NODE_GPUS, VARIANTS, launched, launched_node
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -25,7 +27,9 @@ def test_server_command_is_sglangs(sglang, name, tmp_path, monkeypatch):
         assert got["model_path"] == str(run.model_dir)
         assert (got["tp_size"], got["ep_size"]) == (sg.tp, sg.ep)
         assert got["host"] == sg.host and got["skip_tokenizer_init"] is True
-        assert got["quantization"] == ("fp8" if cfg.rollout.fp8 else None)
+        # FP8 comes from the served config.json (test_model_dir_contract.py); a flag, if any,
+        # must agree with it
+        assert got["quantization"] in (("fp8", None) if cfg.rollout.fp8 else (None,)), got
         kv = {"auto": "auto", "bf16": "bf16"}.get(cfg.rollout.kv_cache_dtype,
                                                    cfg.rollout.kv_cache_dtype)
         assert got["kv_cache_dtype"] == kv
@@ -33,6 +37,12 @@ def test_server_command_is_sglangs(sglang, name, tmp_path, monkeypatch):
         assert got["context_length"] == sg.context_length
         assert got["load_format"] == "dummy"  # no HF checkpoint: the trainer pushes every weight
         assert got["mem_fraction_static"] == pytest.approx(sg.mem_fraction_static)
+    assert len(run.servers) == sg.num_engines
+    quant = sglang.call("quant_config", run.sglang_argv())  # SGLang's resolution of the served dir
+    if cfg.rollout.fp8:
+        assert (quant["quantization"], quant.get("checkpoint_fp8")) == ("fp8", True), quant
+    else:
+        assert quant["quantization"] is None, quant
 
 
 def test_sglang_refuses_a_context_longer_than_the_model(sglang, tmp_path, monkeypatch):
@@ -46,10 +56,11 @@ def test_sglang_refuses_a_context_longer_than_the_model(sglang, tmp_path, monkey
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_memory_saver_adapter_follows_colocation(sglang, name, tmp_path, monkeypatch):
     run = launched(name, tmp_path, monkeypatch)
-    got = sglang.call("memory_saver", run.sglang_argv())
     colocated = run.cfg.rollout.sglang.colocate
     want = "_TorchMemorySaverAdapterReal" if colocated else "_TorchMemorySaverAdapterNoop"
-    assert (got["adapter"], got["enable_memory_saver"]) == (want, colocated), got
+    for i in range(len(run.servers)):
+        got = sglang.call("memory_saver", run.sglang_argv(i))
+        assert (got["adapter"], got["enable_memory_saver"]) == (want, colocated), (i, got)
 
 
 def _gpus(sglang, argv: list[str], env: dict, tp: int) -> list[str]:
@@ -66,10 +77,28 @@ def _gpus(sglang, argv: list[str], env: dict, tp: int) -> list[str]:
     return [shown[i] for i in ids]
 
 
-def test_servers_of_a_node_use_distinct_gpus(sglang, tmp_path, monkeypatch):
-    run = launched("moe_r3_tp2_ep2", tmp_path, monkeypatch)
-    tp = run.cfg.rollout.sglang.tp
-    used = [_gpus(sglang, run.sglang_argv(i), env, tp) for i, (_, env) in enumerate(run.servers)]
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_servers_of_a_node_use_distinct_gpus(sglang, name, tmp_path, monkeypatch):
+    """Every replica's leader launches its fleet: every server gets GPUs of its own on the node,
+    a colocated fleet those its replica trains on (megatron-core's rank order; rank r uses GPU r
+    of its node), a dedicated fleet none the trainer uses."""
+    fleets = launched_node(name, tmp_path, monkeypatch)
+    cfg = fleets[0][1].cfg
+    sg, trainer_gpus = cfg.rollout.sglang, set(range(cfg.world_size))  # one process per GPU
+    assert len(fleets) == cfg.parallel.data > 1
+    used = []
+    for d, (ranks, run) in enumerate(fleets):
+        assert len(run.servers) == sg.num_engines, (d, run.servers)
+        for i, (_, env) in enumerate(run.servers):
+            gpus = _gpus(sglang, run.sglang_argv(i), env, sg.tp)
+            used.append(gpus)
+            assert set(gpus) <= {str(g) for g in range(NODE_GPUS)}, (d, i, gpus)
+            if sg.colocate:
+                assert set(gpus) <= {str(r % NODE_GPUS) for r in ranks}, \
+                    f"replica {d} (trainer ranks {ranks}) has server {i} on GPUs {gpus}"
+            else:
+                assert not set(gpus) & {str(g) for g in trainer_gpus}, \
+                    f"dedicated server {i} of replica {d} on the trainer's GPUs {gpus}"
     flat = [g for gpus in used for g in gpus]
     assert len(flat) == len(set(flat)), f"servers share GPUs: {used}"
 

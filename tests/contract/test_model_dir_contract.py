@@ -14,14 +14,16 @@ import pytest
 from megapkl_side import launched
 
 
-@pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_r3_tp2_ep2"])
+@pytest.mark.parametrize("name", ["default_fp8_colocated", "moe_fp8_context", "moe_r3_tp2_ep2"])
 def test_fp8_rollouts_get_sglangs_block_fp8(sglang, name, tmp_path, monkeypatch):
+    """SGLang resolves block FP8 from the served directory and the server's whole command line
+    (no `--quantization` flag is needed; one that disagreed with the config would show here)."""
     from megapkl.rollout.fp8 import BLOCK
 
     run = launched(name, tmp_path, monkeypatch)
     assert run.cfg.rollout.fp8
     got = sglang.call("quant_config", run.sglang_argv())
-    assert got["cls"] == "Fp8Config"
+    assert (got["quantization"], got.get("cls")) == ("fp8", "Fp8Config"), got
     assert got["checkpoint_fp8"] is True, got  # weights arrive as e4m3 + weight_scale_inv
     assert list(got["weight_block_size"]) == list(BLOCK), got
     assert got["activation_scheme"] == "dynamic", got
@@ -36,7 +38,7 @@ def test_bf16_rollouts_are_not_quantized(sglang, tmp_path, monkeypatch):
 def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
     """A real model's served directory (no checkpoint, so a config-only directory): SGLang must
     find the run tokenizer's EOS id in it, and a run with no EOS anywhere is refused up front."""
-    from megapkl.rollout.sglang.launch import LaunchError
+    from megapkl.rollout.sglang.launch import ServerLaunchError
 
     from megapkl_side import TOKENIZER_EOS
 
@@ -45,5 +47,5 @@ def test_served_config_carries_the_eos_id(sglang, tmp_path, monkeypatch):
     got = sglang.call("quant_config", run.sglang_argv())
     assert got["eos_token_ids"] == [TOKENIZER_EOS], \
         f"SGLang finds {got['eos_token_ids']} as EOS in {run.model_dir}/config.json"
-    with pytest.raises(LaunchError, match="eos_token_id"):
+    with pytest.raises(ServerLaunchError, match="eos_token_id"):
         launched("default_fp8_colocated", tmp_path / "none", monkeypatch, tokenizer_eos=None)

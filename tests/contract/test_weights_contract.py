@@ -57,14 +57,15 @@ def _sync(run, mode: str, tmp_path):
                       hf_config=run.hf_config), transform
 
 
-def _push(sglang, run, mode: str, tmp_path):
-    """megapkl pushes version 7 to a fresh SGLang front end; (error or None, sent, log, received)."""
+def _push(sglang, run, mode: str, tmp_path, named=None):
+    """megapkl pushes version 7 of `named` (default: the model's weights) to a fresh SGLang front
+    end; (error or None, sent, log, received)."""
     from megapkl.rollout.engine import WeightUpdateError
     from megapkl.rollout.sglang.weights import Target, buckets
 
     url = sglang.call("start_front", run.sglang_argv())
     sync, transform = _sync(run, mode, tmp_path)
-    named = _weights(run.hf_config)
+    named = _weights(run.hf_config) if named is None else named
     sent = [pair for b in buckets(named, sync.s.bucket_bytes) for pair in transform(b)]
     error = None
     try:
@@ -77,8 +78,18 @@ def _push(sglang, run, mode: str, tmp_path):
 
 
 def _same(sent, received) -> None:
-    assert [n for n, *_ in received] == [n for n, _ in sent]
-    for (name, t), (_, dtype, shape, data) in zip(sent, received):
+    """SGLang received every tensor megapkl sent, each once, bit for bit, under its name (the order
+    is the sender's business: a flattened bucket goes by element size)."""
+    from collections import Counter
+
+    names = Counter(n for n, *_ in received)
+    assert names == Counter(n for n, _ in sent), (
+        f"missing {sorted(Counter(n for n, _ in sent) - names)}, unexpected or repeated "
+        f"{sorted(names - Counter(n for n, _ in sent))}")
+    assert all(c == 1 for c in names.values()), names.most_common(3)
+    got = {name: rest for name, *rest in received}
+    for name, t in sent:
+        dtype, shape, data = got[name]
         assert dtype == str(t.dtype).replace("torch.", ""), name
         assert shape == list(t.shape), name
         assert data == t.contiguous().view(torch.uint8).numpy().tobytes(), name
@@ -136,6 +147,23 @@ def test_fp8_distributed_sync_is_received_or_refused_up_front(sglang, tmp_path, 
     else:
         assert not updates and not received, (error, [e["class"] for e in log])
         assert "fp8" in error.lower() and "distributed" in error.lower(), error
+
+
+def test_fp8_distributed_buckets_of_any_shape_are_received(sglang, tmp_path, monkeypatch):
+    """SGLang's flattened-bucket receive (`FlattenedTensorBucket.empty`) refuses a tensor that
+    does not start at a multiple of its element size. The model's own shapes never misalign; here
+    an FP8 weight of an odd byte count (33 x 129) shares a bucket with float32 scales and a bf16
+    weight of an odd element count, and every tensor must still arrive bit for bit."""
+    run = launched("default_fp8_colocated", tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    named = [("model.layers.0.mlp.down_proj.weight", torch.randn(33, 129, generator=g)),
+             ("model.layers.0.self_attn.q_proj.weight", torch.randn(130, 70, generator=g)),
+             ("model.norm.weight", torch.randn(67, generator=g))]
+    named = [(n, t.to(torch.bfloat16)) for n, t in named]
+    error, sent, log, received = _push(sglang, run, "distributed", tmp_path, named)
+    assert {t.dtype for _, t in sent} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    assert error is None, error
+    _same(sent, received)
 
 
 def test_disk_sync_is_accepted_by_a_dummy_started_server(sglang, tmp_path, monkeypatch):

@@ -75,6 +75,7 @@ COVERAGE = {
     'megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: next_mod10, '
     'greedy: true}]"': "test_laptop_section",
     "megapkl plot runs/cpu_demo_proximal_kl --out plots/demo": "test_laptop_section",
+    "megapkl demo reward.type=python reward.function=my_rewards:first_digit": "test_own_reward",
 }
 
 # The paper runs scaled to CPU. The PKL run: 2 Slurm tasks (data parallel 2 over gloo), the
@@ -416,6 +417,24 @@ def test_laptop_section(work):
     megapkl(*doc('megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: '
                  'next_mod10, greedy: true}]"'), short).ok()
     assert sorted(p.name for p in (demo / "eval").glob("*.json")) == ["step_000000.json"]
+
+
+def test_own_reward(work):
+    """Section 5: the doc's reward function, written to my_rewards.py as the doc shows it, scores
+    the demo's responses in the reward worker (two updates instead of 300)."""
+    import re
+
+    code = re.search(r"```python\n(# my_rewards.py.*?)```", DOC.read_text(), flags=re.S).group(1)
+    (work / "my_rewards.py").write_text(code)
+    run = work / "runs" / "cpu_demo_proximal_kl"
+    shutil.rmtree(run, ignore_errors=True)
+    megapkl(*doc("megapkl demo reward.type=python reward.function=my_rewards:first_digit"),
+            "train.steps=2", "checkpoint.resume=false").ok()
+    assert "function: my_rewards:first_digit" in (run / "config.yaml").read_text()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert len(rows) == 2 and all(r["reward/errors"] == 0 for r in rows), rows
+    # first_digit gives +1 or -1 only: the mean reward is 2 * accuracy - 1
+    assert all(abs(r["reward/mean"] - (2 * r["train/accuracy"] - 1)) < 1e-6 for r in rows), rows
 
 
 def test_readme_lists_every_command():

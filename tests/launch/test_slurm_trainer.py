@@ -31,12 +31,13 @@ SPEC_METRICS = {"loss", "grad_norm", "lr", "reward/mean", "train/accuracy", "sta
                 "staleness/max", "response_len/mean", "tokens_per_s", "coef/mean",
                 "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min", "is/log_dev", "kl/prox_k3",
                 "pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
-# Wall-clock fields: differ between any two runs.
-TIMING = ("time", "tokens_per_s", "time/train_s", "time/rollout_s", "time/version_load_s")
 
 
 def comparable(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    """Rows without their wall-clock fields (which differ between any two runs)."""
+    from megapkl.train.metrics_log import wall_clock
+
+    return [{k: v for k, v in r.items() if not wall_clock(k)} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,8 @@ def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
     checkpoint, requeue, resume twice; the run ends with the uninterrupted run's metrics."""
     ref_sub, ref = trainer_reference
     run_dir = launch_tmp / "trainer_preempted_twice"
-    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}"])
+    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}",
+                                     "logging.tensorboard=true"])
     _interrupt_when(sub, run_dir, ["start"], 2, "first preemption")
     t0 = time.time()
     while _events(run_dir) != ["start", "requeued", "start"]:
@@ -142,6 +144,19 @@ def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
     wait_state(sub.job_id, "COMPLETED")
     assert jobs.requeue_count(sub.job_id) == 2
+    # Every exit closed the run: each checkpoint step written once (the two preemptions' and the
+    # last), TensorBoard flushed before each requeue (every attempt's file ends at its checkpoint).
+    saved = [int(s) for s in re.findall(r"saved checkpoint \S*step_(\d+)", err)]
+    assert saved == [resumed[0], resumed[1], STEPS], saved
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ends = []
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"),
+                         key=lambda p: p.stat().st_mtime):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        ends.append(max(e.step for e in acc.Scalars("loss")) + 1)
+    assert ends == saved, (ends, saved)
 
 
 TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megapkl.models.hf import CheckpointError, HFCheckpoint, check_checkpoint
+from megapkl.models.hf import HFCheckpointError, HFCheckpoint, check_checkpoint
 from megapkl.models.spec import SpecError, load_spec
 
 
@@ -23,7 +23,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
     from tiny_models import make_checkpoint
 
     make_checkpoint(str(tmp_path), moe=False, intermediate_size=96)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(HFCheckpointError) as err:
         check_checkpoint(load_spec("tiny-qwen3"), HFCheckpoint(tmp_path), check_config=False)
     msg = str(err.value)
     assert "model.layers.0.mlp.gate_proj.weight has shape [96, 64]" in msg
@@ -37,20 +37,20 @@ def test_config_mismatch_names_the_key(dense_ckpt, tmp_path):
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     cfg["rope_parameters"]["rope_theta"] = 10000.0  # saved by transformers 5
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="config key rope_theta: checkpoint has 10000.0"):
+    with pytest.raises(HFCheckpointError, match="config key rope_theta: checkpoint has 10000.0"):
         check_checkpoint(load_spec("tiny-qwen3"), HFCheckpoint(tmp_path / "ck"))
 
 
 def test_dense_checkpoint_into_moe_config(dense_ckpt):
-    with pytest.raises(CheckpointError, match="family"):
+    with pytest.raises(HFCheckpointError, match="family"):
         check_checkpoint(load_spec("tiny-qwen3-moe"), HFCheckpoint(dense_ckpt.path))
-    with pytest.raises(CheckpointError, match="mlp.gate.weight is missing"):
+    with pytest.raises(HFCheckpointError, match="mlp.gate.weight is missing"):
         check_checkpoint(load_spec("tiny-qwen3-moe"), HFCheckpoint(dense_ckpt.path),
                          check_config=False)
 
 
 def test_extra_layers_are_reported(dense_ckpt):
-    with pytest.raises(CheckpointError, match="does not have: model.layers.1"):
+    with pytest.raises(HFCheckpointError, match="does not have: model.layers.1"):
         check_checkpoint(load_spec("tiny-qwen3", {"num_layers": 1}),
                          HFCheckpoint(dense_ckpt.path), check_config=False)
 
@@ -60,7 +60,7 @@ def _load_wrong(rank, world_size, path):
 
     try:
         build_loaded(path, "tiny-qwen3", tp=2)
-    except CheckpointError as exc:
+    except HFCheckpointError as exc:
         return str(exc)
     return "no error"
 

@@ -599,6 +599,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                                          sum(1 for x in lvec if abs(x) > float(ec)) / N)
         metrics["pkl/credit_mean"] = sum(C) / N
         metrics["pkl/credit_abs_max"] = max(abs(c) for c in C)
+        metrics["pkl/adv_abs_mean"] = sum(abs(adv_tok[t]) for t in range(N)) / N
         metrics.update(naive_quantiles("pkl/credit", C))
     if sis_on:
         metrics["sis/accept_rate"] = sum(z) / N
@@ -628,7 +629,7 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
         names.add("clip/frac")
     q = ("_p10", "_p50", "_p90")
     if name in CREDIT_OBJECTIVES:
-        names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
+        names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max", "pkl/adv_abs_mean"}
         names |= {"pkl/credit" + s for s in q}
     if cfg["sis"]["enabled"]:
         names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"} | {"sis/accept_rate" + s for s in q}

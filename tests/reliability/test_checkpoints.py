@@ -25,24 +25,24 @@ def reference_run(tmp_path_factory, megatron_loaded):
     return cfg
 
 
-def _kill_in_trainer_state_gather(rank):
+def _kill_in_loop_state_gather(rank):
     """SIGKILL the rank in the middle of the step-4 save (model/ written, trainer state not)."""
-    from megapkl.train import trainer_state
+    from megapkl.train.loop_state import LoopState
 
-    real = trainer_state.gather
+    real = LoopState.state_dict
 
-    def gather(trainer, step, checkpoint):
-        if step == 4:
+    def state_dict(self):
+        if self.update == 4:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(trainer, step, checkpoint)
+        return real(self)
 
-    trainer_state.gather = gather
+    LoopState.state_dict = state_dict
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes(train, reference_run, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "train.steps=4")
     with pytest.raises(Exception, match="exit code -9"):
-        train(cfg, patch=_kill_in_trainer_state_gather)
+        train(cfg, patch=_kill_in_loop_state_gather)
     root = tmp_path / "run" / "checkpoints"
     assert ckpt.latest(cfg) == root / "step_00000002"
     assert (root / ".step_00000004.partial" / "model").is_dir()  # the killed save's leftovers

@@ -10,10 +10,8 @@ must take the same decision (or the collective save would hang).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,10 +22,7 @@ from megapkl.parallel.forked import WorkerError
 from megapkl.train import checkpointing as ckpt
 from megapkl.train.metrics_log import read_metrics
 
-from .conftest import comparable, tiny_cfg
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-from sglang_fixtures import start_worker, wait_healthy  # noqa: E402
+from .conftest import comparable, tiny_cfg, two_serve_workers
 
 STEPS = 8
 SGLANG = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
@@ -84,18 +79,6 @@ def _touch_after(stop: Path, run_dir: Path, rows: int) -> threading.Thread:
     return t
 
 
-@contextlib.contextmanager
-def _two_workers(tmp_path: Path):
-    """The urls of two healthy `megapkl serve` workers, stopped afterwards."""
-    workers = [start_worker(tmp_path / "logs", name=f"worker{i}") for i in range(2)]
-    try:
-        wait_healthy(workers)
-        yield [w.url for w in workers]
-    finally:
-        for w in workers:
-            w.stop()
-
-
 def _rows(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -104,7 +87,8 @@ def _rows(run_dir: Path) -> int:
 def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_run, tmp_path):
     from megapkl.cli import describe
 
-    with _two_workers(tmp_path) as urls:
+    with two_serve_workers(tmp_path) as workers:
+        urls = [w.url for w in workers]
         ref = tmp_path / "reference"
         dist_run(_rank, 2, _cfgs(ref, urls), timeout=300)
 
@@ -119,7 +103,7 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         assert re.search(rf"http://127\.0\.0\.1:\d+ \(dead, log {re.escape(str(log))}\)", line), line
         assert urls[0] not in line, line  # rank 0's engine did not fail: not named
         assert "rollout.sglang.no_engine_timeout_s" in line, line
-        failed_at = int(re.search(r"update (\d+): the rollout engines failed", line).group(1))
+        failed_at = int(re.search(r"update (\d+): the rollout's engines failed", line).group(1))
         assert 2 <= failed_at < STEPS and _rows(run) == failed_at, (failed_at, _rows(run))
         saved = run / "checkpoints" / f"step_{failed_at:08d}"
         assert f"checkpoint {saved} holds the {failed_at} finished updates" in line, line
@@ -141,19 +125,19 @@ def _rank_dies_before_eval(rank, world, cfgs, stop):  # noqa: ARG001
     """Rank 1 kills its own server (the stop file) right before the evaluation after update 1 and
     waits until it is gone, so the engine fails inside that evaluation, on rank 1 only."""
     if rank == 1:
-        from megapkl.eval.hook import Evaluator
+        from megapkl.train.evaluation import Evaluator
 
-        original = Evaluator.after_update
+        original = Evaluator.run
 
-        def after_update(self, u):
-            if u == 1:
+        def run(self, version):
+            if version == 2:
                 stop.touch()
                 deadline = time.monotonic() + 60
                 while not Path(str(stop) + ".dead").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-            return original(self, u)
+            return original(self, version)
 
-        Evaluator.after_update = after_update
+        Evaluator.run = run
     return _rank(rank, world, cfgs)
 
 
@@ -165,7 +149,8 @@ def test_engine_outage_during_evaluation_checkpoints_the_finished_update(dist_ru
     """Before: rank 0 waited in the evaluation's gather for a rank whose engine had failed."""
     from megapkl.cli import describe
 
-    with _two_workers(tmp_path) as urls:
+    with two_serve_workers(tmp_path) as workers:
+        urls = [w.url for w in workers]
         ref = tmp_path / "reference"
         dist_run(_rank, 2, _cfgs(ref, urls, *EVAL), timeout=300)
 

@@ -1,4 +1,5 @@
-"""docs/reliability.md: at least 30 rows, and every test it cites exists (file, function, case)."""
+"""docs/reliability.md: at least 30 rows, each citing a test, and every test it cites exists (file,
+function, case)."""
 import re
 from pathlib import Path
 
@@ -11,12 +12,13 @@ def _rows():
     return [ln for ln in text.splitlines() if re.match(r"^\| \d+[a-z]? \|", ln)]
 
 
-def test_matrix_has_thirty_rows_each_with_a_test_or_a_stated_plan():
+def test_matrix_has_thirty_rows_each_citing_a_test():
+    """A row without a test is a claim nobody checks: every row cites at least one."""
     rows = _rows()
     assert len(rows) >= 30
     for row in rows:
         last = row.rstrip(" |").rsplit("|", 1)[-1]
-        assert "::" in last or "planned" in last or "not tested" in last, row
+        assert CITE.search(last) and "::" in last, f"no test cited: {row[:60]}"
 
 
 def test_every_cited_test_exists():

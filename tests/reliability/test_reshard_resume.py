@@ -3,7 +3,7 @@ the same prompt order and the same metrics (up to float summation order) from th
 import pytest
 
 from megapkl.train.metrics_log import read_metrics
-from megapkl.train.trainer_state import my_share
+from megapkl.train.loop_state import my_share
 
 from .conftest import comparable, tiny_cfg
 

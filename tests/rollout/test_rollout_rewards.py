@@ -62,17 +62,25 @@ def test_math_reward_without_box_requirement():
     assert not reward.check("gibberish", "42")
 
 
-def test_math_reward_never_raises(monkeypatch):
-    import math_verify
-    from math_verify.errors import TimeoutException
+def test_math_reward_never_raises_nor_hangs_a_thread(caplog):
+    """Training rewards use the evaluation's bounded verifier: a pathological answer is scored
+    wrong and logged, also off the main thread (where math-verify's own SIGALRM guard cannot run)."""
+    import logging
+    import threading
+    import time
 
-    reward = MathReward(1.0, -1.0)
-    for exc in (RuntimeError("parser bug"), TimeoutException("slow"), RecursionError()):
-        def boom(*a, exc=exc, **k):
-            raise exc
-        monkeypatch.setattr(math_verify, "verify", boom)
-        assert reward.score(sample("\\boxed{42}", "42")) == -1.0
+    caplog.set_level(logging.WARNING, logger="megapkl.rollout.bounded_verify")
+    reward = MathReward(1.0, -1.0, timeout_s=1)
     assert reward.score(sample("\\boxed{42}", "not a ))) number ((")) == -1.0
+    slow = sample("The answer is \\boxed{9^{9^{9^{9}}}}", "1")
+    box, t0 = {}, time.monotonic()
+    worker = threading.Thread(target=lambda: box.update(r=reward.score(slow)))
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive() and box["r"] == -1.0 and time.monotonic() - t0 < 60
+    assert "timed out" in caplog.text and "sample 0" in caplog.text
+    assert reward.score(sample("\\boxed{42}", "42")) == 1.0  # the worker goes on
+    reward.close()
 
 
 def test_math_reward_decodes_with_tokenizer():
@@ -100,13 +108,11 @@ def test_synthetic_reward_and_builder():
     assert reward.score(sample(answer="7", response_ids=(eight, seven))) == -1.0
     assert reward.score(sample(answer="7", response_ids=(EOS_ID, seven))) == -1.0
 
-    class Cfg:
-        type, correct, incorrect = "synthetic", 1.0, 0.0
+    from megapkl.config.sections_train import RewardConfig
 
     class Data:
         synthetic = "add_mod10"
 
-    built = build_reward(Cfg, Data)
+    built = build_reward(RewardConfig(type="synthetic", incorrect=0.0), Data)
     assert isinstance(built, SyntheticReward) and built.incorrect == 0.0
-    Cfg.type = "math"
-    assert isinstance(build_reward(Cfg, None), MathReward)
+    assert isinstance(build_reward(RewardConfig(type="math"), None), MathReward)

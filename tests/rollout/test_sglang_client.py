@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import pickle
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sglang import protocol as P
 from megapkl.rollout.sglang.client import request_seed
-from megapkl.rollout.sglang.weights import SharedSegments, buckets, serialize_named_tensors
+from megapkl.rollout.sglang.weights import buckets, serialize_named_tensors
 
 
 def _item(ids, logps, *, top=None, version="3", finish=None, experts=None):
@@ -135,24 +137,30 @@ def _shm_name(t):
     return t.untyped_storage()._share_filename_cpu_()[1].decode()
 
 
-@pytest.mark.skipif(not SharedSegments.SHM_DIR.is_dir(), reason="needs /dev/shm")
-def test_tensor_sync_reuses_segments_unless_gone_or_resized():
-    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16))]
-    seg = SharedSegments()
-    seg.start_push()
-    _, first = serialize_named_tensors(named, seg)
-    seg.start_push()
-    payload, second = serialize_named_tensors([(n, t + 1) for n, t in named], seg)
-    assert [_shm_name(t) for t in first] == [_shm_name(t) for t in second]  # reused in place
-    back = pickle.loads(base64.b64decode(payload))
-    assert all(torch.equal(y, x + 1) for (_, x), (_, y) in zip(named, back))  # new values
-    # A segment whose name is gone (a dead server took it) or whose size changed is replaced.
-    (SharedSegments.SHM_DIR / _shm_name(second[0]).lstrip("/")).unlink()
-    seg.start_push()
-    _, third = serialize_named_tensors([("a", named[0][1]), ("b", torch.randn(6))], seg)
-    assert _shm_name(third[0]) != _shm_name(second[0])
-    assert _shm_name(third[1]) != _shm_name(second[1])
-    assert torch.equal(third[0], named[0][1])
+def test_tensor_sync_keeps_no_shared_memory_and_sends_shared_tensors_uncopied():
+    """What is already in shared memory (a stored version streamed there) travels as it is; a
+    copy is made otherwise; either way the shared memory is gone once the last holder lets go."""
+    import gc
+    import os
+
+    from megapkl.rollout.version_store import VersionStore
+
+    store = VersionStore(Path(tempfile.mkdtemp()))
+    store.save(1, [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16))])
+    streamed = list(store.get(1).stream(shared=True))
+    assert all(t.is_shared() for _, t in streamed)
+    payload, alive = serialize_named_tensors(streamed)
+    assert [_shm_name(t) for t in alive] == [_shm_name(t) for _, t in streamed]  # not copied
+    plain = [("c", torch.randn(2))]
+    copied, copies = serialize_named_tensors(plain)
+    assert copies[0].is_shared() and not plain[0][1].is_shared()
+    names = [_shm_name(t) for t in alive + copies]
+    back = pickle.loads(base64.b64decode(payload))  # what a server does with a payload
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(streamed, back))
+    assert torch.equal(pickle.loads(base64.b64decode(copied))[0][1], plain[0][1])
+    del streamed, alive, copies, back
+    gc.collect()
+    assert not [n for n in names if os.path.exists("/dev/shm/" + n.lstrip("/"))]
 
 
 def test_config_fields_and_errors():

@@ -19,7 +19,7 @@ from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpd
 from megapkl.rollout.sample import PromptItem
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.fleet import EnginesUnavailable, Fleet, HealthSettings, Worker
-from megapkl.rollout.sglang.launch import LaunchError
+from megapkl.rollout.sglang.launch import ServerLaunchError
 
 pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs a POSIX shell")
 SERVE = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
@@ -43,13 +43,18 @@ def _hf():
     return hf_config_dict(load_spec("tiny-qwen3"), dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def _build(cfg):
+    from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
+    return build_sglang_engine(cfg.rollout, engine_context(cfg, _hf()))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
     if not os.path.isdir("configs/demo"):
         pytest.skip("run from the repository root")
-    eng = build_sglang_engine(_cfg(tmp_path_factory.mktemp("fleet")), _hf())
+    eng = _build(_cfg(tmp_path_factory.mktemp("fleet")))
     yield eng
     eng.close()
     assert all(not w.process.alive() for w in eng.fleet.workers) and not eng.fleet.router.alive()
@@ -205,28 +210,26 @@ def test_bad_input_names_the_key(engine, reference):
 
 
 def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
-    from megapkl.rollout.sglang.build import build_sglang_engine
-
     live = engine.fleet.workers[1].url
     fast = ["rollout.sglang.startup_timeout_s=2", "rollout.sglang.health_interval_s=0.2"]
     cfg = _cfg(tmp_path, [f"rollout.sglang.urls=[\"{live}\"]",
                           "rollout.sglang.router_url=http://127.0.0.1:9", *fast])
-    with pytest.raises(LaunchError, match=r"rollout.sglang.router_url: http://127.0.0.1:9"):
-        build_sglang_engine(cfg, _hf())
+    with pytest.raises(ServerLaunchError, match=r"rollout.sglang.router_url: http://127.0.0.1:9"):
+        _build(cfg)
     cfg = _cfg(tmp_path, ["rollout.sglang.urls=[\"http://127.0.0.1:9\"]", *fast])
-    with pytest.raises(LaunchError, match=r"rollout.sglang.urls\[0\]"):
-        build_sglang_engine(cfg, _hf())
+    with pytest.raises(ServerLaunchError, match=r"rollout.sglang.urls\[0\]"):
+        _build(cfg)
     never = json.dumps([sys.executable, "-c", "import time; print('compiling'); time.sleep(60)"])
     cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={never}", "rollout.sglang.num_engines=1",
                           "rollout.sglang.base_port=36400", *fast])
-    with pytest.raises(LaunchError, match="not healthy after 2 s") as info:
-        build_sglang_engine(cfg, _hf())
+    with pytest.raises(ServerLaunchError, match="not healthy after 2 s") as info:
+        _build(cfg)
     assert "engine0.log" in str(info.value) and "compiling" in str(info.value)
     crash = json.dumps([sys.executable, "-c", "raise SystemExit('bad flag --x')"])
     cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={crash}", "rollout.sglang.num_engines=1",
                           "rollout.sglang.base_port=36400", *fast])
-    with pytest.raises(LaunchError, match="exited with code 1") as info:
-        build_sglang_engine(cfg, _hf())
+    with pytest.raises(ServerLaunchError, match="exited with code 1") as info:
+        _build(cfg)
     assert "bad flag --x" in str(info.value)
 
 

@@ -12,7 +12,7 @@ from megapkl.config import load_config
 from megapkl.models.spec import hf_config_dict, load_spec
 from megapkl.rollout.fp8 import QUANTIZATION_CONFIG, read_quantization_config
 from megapkl.rollout.sglang.build import engine_slots, served_model_dir
-from megapkl.rollout.sglang.launch import (LaunchError, plan_servers, releases_memory,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, plan_servers, releases_memory,
                                            server_command)
 from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout,
                                               check_fleets, colocated_gpus, fleet_slots)
@@ -28,6 +28,19 @@ def _cfg(*extra):
 
 def _hf():
     return hf_config_dict(load_spec("tiny-qwen3"), dtype="bfloat16")
+
+
+def _served(cfg, work, tokenizer=None):
+    from megapkl.rollout.factory import engine_context
+
+    return served_model_dir(cfg.rollout, engine_context(cfg, _hf()), _hf(), work, tokenizer)
+
+
+def _slots(cfg, replica, replicas):
+    from megapkl.rollout.factory import engine_context
+
+    return engine_slots(cfg.rollout, engine_context(cfg, _hf(), replica=replica,
+                                                    replicas=replicas))
 
 
 def _flag(cmd, name):
@@ -46,7 +59,7 @@ def test_fp8_serves_a_block_fp8_config_with_dummy_weights(tmp_path):
     it build `weight_scale_inv` parameters for the pushed e4m3 weights (`--quantization fp8`
     alone is online per-tensor FP8)."""
     cfg = _cfg("rollout.fp8=true")
-    path, dummy = served_model_dir(cfg, _hf(), tmp_path, _Tok())
+    path, dummy = _served(cfg, tmp_path, _Tok())
     config = json.loads((Path(path) / "config.json").read_text())
     assert dummy and config["quantization_config"] == QUANTIZATION_CONFIG
     assert read_quantization_config(config) == (128, 128)
@@ -62,9 +75,9 @@ def test_an_fp8_run_from_a_checkpoint_serves_its_config_quantized(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(own))
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
     plain = _cfg(f"model.hf_checkpoint={ckpt}")
-    assert served_model_dir(plain, _hf(), tmp_path / "a") == (str(ckpt), False)
-    path, dummy = served_model_dir(_cfg(f"model.hf_checkpoint={ckpt}", "rollout.fp8=true"),
-                                   _hf(), tmp_path / "b", _Tok())
+    assert _served(plain, tmp_path / "a") == (str(ckpt), False)
+    path, dummy = _served(_cfg(f"model.hf_checkpoint={ckpt}", "rollout.fp8=true"),
+                           tmp_path / "b", _Tok())
     config = json.loads((Path(path) / "config.json").read_text())
     assert dummy and config["eos_token_id"] == 7 and config["bos_token_id"] == 1
     assert config["quantization_config"] == QUANTIZATION_CONFIG
@@ -73,10 +86,10 @@ def test_an_fp8_run_from_a_checkpoint_serves_its_config_quantized(tmp_path):
 
 def test_the_config_only_model_declares_eos(tmp_path):
     """--skip-tokenizer-init: SGLang's EOS comes from config.json alone."""
-    path, _ = served_model_dir(_cfg(), _hf(), tmp_path, _Tok())
+    path, _ = _served(_cfg(), tmp_path, _Tok())
     assert json.loads((Path(path) / "config.json").read_text())["eos_token_id"] == 151643
-    with pytest.raises(LaunchError, match="eos_token_id.*model.tokenizer"):
-        served_model_dir(_cfg(), _hf(), tmp_path / "x", tokenizer=None)
+    with pytest.raises(ServerLaunchError, match="eos_token_id.*model.tokenizer"):
+        _served(_cfg(), tmp_path / "x", tokenizer=None)
 
 
 def test_colocated_servers_start_with_the_memory_saver():
@@ -139,14 +152,14 @@ def test_each_server_gets_its_own_base_gpu_id(tmp_path, monkeypatch):
     sg = cfg.rollout.sglang
     seen = []
     for replica in range(4):
-        slots = engine_slots(cfg, replica, 4)
+        slots = _slots(cfg, replica, 4)
         specs = plan_servers(sg, log_dir=tmp_path, host="127.0.0.1", replica=replica,
                              slots=slots, make_cmd=lambda h, p, g: _cmd(cfg, gpu=g))
         seen += [int(_flag(s.cmd, "--base-gpu-id")) for s in specs]
     assert sorted(seen) == list(range(8))
-    with pytest.raises(LaunchError, match="num_engines"):
-        engine_slots(_cfg("parallel.data=4", "parallel.context=2",
-                          "rollout.sglang.num_engines=3"), 0, 4)
+    with pytest.raises(ServerLaunchError, match="num_engines"):
+        _slots(_cfg("parallel.data=4", "parallel.context=2", "rollout.sglang.num_engines=3"),
+               0, 4)
 
 
 def test_slurm_nodes_need_no_slurm_client(monkeypatch):

@@ -39,15 +39,16 @@ def r3_worker(rank, world, cfg):
     from megapkl.models.chunks import model_chunks
     from megapkl.rollout.sglang.client import SGLangEngine
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
-    t = Trainer(cfg)
+    t = Trainer(cfg, RunContext().__enter__())  # open for the rank's life
     assert isinstance(t.rollouts.engine, SGLangEngine)
     with torch.no_grad():  # louder experts (the random init's are faint): routing shows in logp
         for chunk in model_chunks(t.learner.model):
             for name, p in chunk.named_parameters():
                 if "mlp.experts" in name and "linear_fc2" in name:
                     p.mul_(EXPERT_GAIN)
-    t.keep_weights(0)  # the engine gets the trainer's weights, gain included
+    t.keep_weights(t.schedule.plan(0))  # the engine gets the trainer's weights, gain included
     samples = t.rollouts.collect(0, [0] * cfg.rollout.prompts_per_batch)
     assert samples and all(s.version == 0 and s.routed_experts is not None for s in samples)
     shapes = {tuple(s.routed_experts.shape[1:]) for s in samples}
@@ -155,6 +156,7 @@ def fp8_setup(tmp_path_factory):
     """An FP8 `megapkl serve` worker (--quantization fp8) and an SGLangEngine with rollout.fp8,
     shared by the FP8 tests of this module."""
     from megapkl.config import load_config
+    from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     tmp = tmp_path_factory.mktemp("fp8")
@@ -166,7 +168,12 @@ def fp8_setup(tmp_path_factory):
             "rollout.engine=sglang", "rollout.fp8=true", f"run_dir={tmp / 'run'}",
             f"rollout.sglang.urls={json.dumps(cluster.worker_urls)}",
             "rollout.sglang.bucket_mb=0.1"])  # several buckets per sync
-        engine = build_sglang_engine(cfg, _hf(spec))
+        from megapkl.rollout.fp8 import sync_transform
+
+        # plain BF16 pushes to an FP8 server: quantized by the sync (the trainer's versions are
+        # stored quantized already, and pushed as they are)
+        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)),
+                                     transform=sync_transform())
         yield engine, cluster.worker_urls[0], _hf(spec)
         engine.close()
     finally:

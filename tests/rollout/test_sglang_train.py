@@ -117,19 +117,16 @@ def test_demo_learns_through_router_with_launched_servers(dist_run, tmp_path):
 
 def train_and_keep_last_batch(rank, world, cfg):
     """One trainer rank: run every update, then describe the last batch's samples."""
-    from megapkl.train import checkpointing as ckpt
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
-    trainer = Trainer(cfg)
-    try:
+    with RunContext() as context:  # closes the engine and releases the lock, as run() does
+        trainer = Trainer(cfg, context)
         trainer.run()
         return [{"version": s.version, "prompt_len": s.prompt_len, "response_len": s.response_len,
                  "topk": None if s.topk_logp is None else tuple(s.topk_logp.shape),
                  "experts": None if s.routed_experts is None else tuple(s.routed_experts.shape)}
-                for s in trainer.batch]
-    finally:
-        ckpt.end(trainer)
-        trainer.rollouts.engine.close()
+                for s in trainer.loop.batch]
 
 
 PAPER_RUNS = {

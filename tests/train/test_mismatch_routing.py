@@ -34,21 +34,28 @@ def _perturb_routers(model, scale: float) -> None:
             w.add_(scale * w.abs().mean() * torch.randn(w.shape, generator=gen).to(w))
 
 
+def _trainer(cfg):
+    """A trainer whose run context stays open for the worker's life (the forked rank exits)."""
+    from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
+
+    return Trainer(cfg, RunContext().__enter__())
+
+
 def worker(rank, world, cfg):
     """Measured at a fresh version (the learner holds the weights that generated the samples):
     as is, and after perturbing the trainer's router weights; plus the routers' own choice under
     a replay of deliberately wrong experts (the first MoE layer's choice must not move)."""
     import dataclasses
 
-    from megapkl.train.loop import Trainer
     from megapkl.train.mismatch import exact_version_metrics
 
-    t = Trainer(cfg)
-    t.keep_weights(0)
+    t = _trainer(cfg)
     plan = t.schedule.plan(0)
+    t.keep_weights(plan)
     samples = t.rollouts.collect(0, list(plan.group_versions))
     mbs = t.learner.pack(samples)
-    exact = exact_version_metrics(t, samples, mbs, plan)
+    exact = exact_version_metrics(t.learner, samples, mbs, 0)
     # R3 on wrong experts changes the forward, not what the routers would pick
     experts = t.learner.spec.num_experts
     shifted = [dataclasses.replace(s, routed_experts=(s.routed_experts + 1) % experts)
@@ -62,10 +69,10 @@ def worker(rank, world, cfg):
     same_own = all(torch.equal(x[0], y[0]) for x, y in zip(own_right, own_wrong, strict=True))
     # an engine that returns no routing: the routing metrics are absent, not zero
     bare = [dataclasses.replace(s, routed_experts=None) for s in samples]
-    absent = exact_version_metrics(t, bare, t.learner.pack(bare), plan)
+    absent = exact_version_metrics(t.learner, bare, t.learner.pack(bare), 0)
     assert "mismatch/k3_kl" in absent and not any("routing" in k for k in absent), absent
     _perturb_routers(t.learner.model, 0.3)
-    perturbed = exact_version_metrics(t, samples, mbs, plan)
+    perturbed = exact_version_metrics(t.learner, samples, mbs, 0)
     return exact, perturbed, same_own
 
 
@@ -86,28 +93,25 @@ def test_fresh_version_zero_and_perturbed_positive(dist_run, tmp_path):
 
 def fp8_samples_worker(rank, world, cfg):
     """One process: FP8 rollouts at version 0 and the metrics the trainer logs for them."""
-    from megapkl.train.loop import Trainer
     from megapkl.train.mismatch import exact_version_metrics
 
-    t = Trainer(cfg)
-    t.keep_weights(0)
+    t = _trainer(cfg)
     plan = t.schedule.plan(0)
+    t.keep_weights(plan)
     t.new_batch(plan)
-    mine = t.minibatch(plan)
-    return exact_version_metrics(t, mine, t.learner.pack(mine), plan), mine
+    mine = t.loop.minibatch(plan.minibatch)
+    return exact_version_metrics(t.learner, mine, t.learner.pack(mine), 0), mine
 
 
 def layout_worker(rank, world, cfg, samples):
     """The same samples measured at another layout: each data-parallel rank takes a contiguous
     share (other micro-batches than on one process)."""
-    from megapkl.train.loop import Trainer
     from megapkl.train.mismatch import exact_version_metrics
 
-    t = Trainer(cfg)
-    plan = t.schedule.plan(0)
+    t = _trainer(cfg)
     per = len(samples) // t.groups.dp_size
     mine = samples[t.groups.dp_rank * per:(t.groups.dp_rank + 1) * per]
-    return exact_version_metrics(t, mine, t.learner.pack(mine), plan)
+    return exact_version_metrics(t.learner, mine, t.learner.pack(mine), 0)
 
 
 @pytest.fixture(scope="module")

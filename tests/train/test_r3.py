@@ -13,9 +13,10 @@ def worker(rank, world, cfg):
     import dataclasses
 
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
-    t = Trainer(cfg)
-    t.keep_weights(0)
+    t = Trainer(cfg, RunContext().__enter__())  # open for the rank's life
+    t.keep_weights(t.schedule.plan(0))
     samples = t.rollouts.collect(0, [0] * cfg.rollout.prompts_per_batch)
     responses = samples
     assert all(r.routed_experts is not None for r in responses)

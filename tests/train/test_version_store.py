@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megapkl.rollout.fp8 import FP8Transform
-from megapkl.train.version_store import VersionStore, VersionStoreError
+from megapkl.rollout.version_store import VersionStore, VersionStoreError
 
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -94,15 +94,14 @@ def test_missing_and_corrupt_files_name_the_file(tmp_path):
 def stage_for(run_dir, *overrides):
     from megapkl.config import load_config
     from megapkl.models.spec import spec_from_model_config
-    from megapkl.train.rollouts import RolloutStage
+    from megapkl.train.rollouts import Replica, build_rollout_stage
 
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         "parallel.data=1", f"run_dir={run_dir}", "rollout.protocol=uniform_stale",
         "rollout.max_staleness=3", "rollout.snapshot_pool=4", "rollout.refresh_every=null",
         "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=2",
         "advantage.filter_constant_groups=false", *overrides])
-    return RolloutStage(cfg, spec_from_model_config(cfg.model), dp_rank=0, dp_size=1, leader=True,
-                        replica_group=None, dp_group=None)
+    return build_rollout_stage(cfg, spec_from_model_config(cfg.model), Replica())
 
 
 def engine_weights(stage, version: int):
@@ -113,11 +112,12 @@ def engine_weights(stage, version: int):
 
 def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     """FP8 rollouts (the plain path is covered by the trainer tests)."""
-    from megapkl.train.rollouts import RolloutError
+    from megapkl.rollout.engine import RolloutError
+    from megapkl.train.agree import RanksFailed
 
     stage = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
     for v in range(5):
-        stage.remember(v, engine_weights(stage, v))
+        stage.remember(v, lambda: engine_weights(stage, v))
         stage.forget_before(v - 3)
     assert stage.store.versions() == [1, 2, 3, 4]
     if fp8:  # stored already quantized
@@ -128,25 +128,28 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     samples = stage.collect(0, versions)
     assert [s.version for s in samples] == [v for v in versions for _ in range(2)]
     assert stage.load_metrics()["rollout/versions_loaded"] == 4.0  # each version once
-    assert stage.load_metrics()["time/version_load_s"] > 0
+    assert stage.timers.totals["sync"] > 0
     # Checkpoint (references), the run directory loses the files, resume restores them.
     ckpt = tmp_path / "ckpt"
-    state = stage.state_dict(ckpt)
+    stage.save_files(ckpt)
+    state = stage.state_dict()
     assert "pool" not in state and sorted(p.name for p in (ckpt / "policy_versions").iterdir()) == \
         [f"v{v:08d}.safetensors" for v in (1, 2, 3, 4)]
     stage.store.delete_before(100)
     again = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
-    again.load_state_dict(state, checkpoint=ckpt)
+    again.load_files(ckpt)
+    again.load_state_dict(state)
     a, b = stage.collect(1, versions), again.collect(1, versions)
     assert all(torch.equal(x.logp_behav, y.logp_behav) and torch.equal(x.response_ids, y.response_ids)
                for x, y in zip(a, b))
     # A needed version missing on disk is an error naming the file, not a silent skip.
     gone = 3 if again.engine.version != 3 else 2
     again.store.path(gone).unlink()
-    with pytest.raises(VersionStoreError, match=rf"version {gone} is needed but its file "
-                                                rf".*v0000000{gone}\.safetensors is missing"):
+    with pytest.raises(RanksFailed, match=rf"the rollout failed on rank 0: VersionStoreError: "
+                                          rf"policy version {gone} is needed but its file "
+                                          rf".*v0000000{gone}\.safetensors is missing"):
         again.collect(2, [gone] * 8)
     with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
         for v in range(5, 7):
-            stage.remember(v, engine_weights(stage, v))
+            stage.remember(v, lambda: engine_weights(stage, v))
         stage.forget_before(0)

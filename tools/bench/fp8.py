@@ -8,7 +8,7 @@
    what GPUs run) is timed beside it.
 2. Host memory per rank for the uniform-stale protocol (k versions of lag, the schedule holds about
    k + 2 versions): before = the in-memory pool (every version a full CPU copy, as the rollout stage
-   held them before version_store), after = the disk store (`megapkl.train.version_store`: each
+   held them before version_store), after = the disk store (`megapkl.rollout.version_store`: each
    version written once, one version streamed into an engine-sized staging copy). Each side runs
    in its own process; the figure is its peak RSS above the live weights, in model copies.
    Goal: after <= 2 model copies regardless of k. The default shape is reduced (`--mem-layers 1`,
@@ -98,7 +98,7 @@ def rss_kib(field: str) -> int:
 def memory_side(args) -> dict:
     """One side of the memory benchmark, in this process (run through a subprocess)."""
     from megapkl.rollout.fp8 import SCALE_SUFFIX, FP8Transform
-    from megapkl.train.version_store import VersionStore
+    from megapkl.rollout.version_store import VersionStore
 
     shapes = {"model.embed_tokens.weight": (args.mem_vocab, H), **layer_shapes(args.mem_layers)}
     live = {n: torch.randn(*s).to(torch.bfloat16) for n, s in shapes.items()}

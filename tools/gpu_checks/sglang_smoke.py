@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def config(args, dedicated: bool) -> SimpleNamespace:
-    """The few run-config fields build_sglang_engine reads, with the defaults of rollout.sglang."""
+    """The few run-config fields the engine context and build_sglang_engine read, with the
+    defaults of rollout.sglang."""
     from megapkl.config.sections import SGLangConfig
 
     sg = SGLangConfig(use_router=False, mem_fraction_static=0.5, health_first_wait_s=10.0,
@@ -46,7 +47,7 @@ def config(args, dedicated: bool) -> SimpleNamespace:
     model = SimpleNamespace(hf_checkpoint=args.model, dtype="bf16", routing_replay=False)
     parallel = SimpleNamespace(tensor=1, context=1, pipeline=1, data=1)
     return SimpleNamespace(rollout=rollout, model=model, parallel=parallel, run_dir=args.out,
-                           name="sglang_smoke")
+                           name="sglang_smoke", seed=0)
 
 
 def main() -> None:
@@ -61,6 +62,7 @@ def main() -> None:
     from megapkl.rollout.embedded import iter_safetensors
     from megapkl.rollout.engine import SamplingParams
     from megapkl.rollout.sample import PromptItem
+    from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     hf_config = json.loads((Path(args.model) / "config.json").read_text())
@@ -68,7 +70,7 @@ def main() -> None:
     dedicated = torch.cuda.device_count() >= 2
     torch.cuda.set_device(0)
     cfg = config(args, dedicated)
-    engine = build_sglang_engine(cfg, hf_config, tokenizer=tok)
+    engine = build_sglang_engine(cfg.rollout, engine_context(cfg, hf_config), tokenizer=tok)
     print(json.dumps({"step": "launched", "command": engine.fleet.workers[0].spec.cmd}),
           flush=True)
     weights = [(n, t.to("cuda:0")) for n, t in iter_safetensors(args.model)]

@@ -219,15 +219,6 @@ def check(results: dict, name: str, ok: bool, detail) -> None:
     results["checks"][name] = {"ok": bool(ok), "detail": detail}
 
 
-def close(trainer) -> None:
-    """What `megapkl.train.loop.run` does after a run: stop the engine, release the run lock."""
-    from megapkl.train import checkpointing
-
-    if trainer.rollouts.engine is not None:
-        trainer.rollouts.engine.close()
-    checkpointing.end(trainer)
-
-
 def resume_leg(args, run_dir: str, res: dict) -> None:
     """Resume from the final checkpoint for --resume-steps updates (a fresh Trainer in the same
     process, through the public entry point) and check metrics.jsonl."""
@@ -256,11 +247,13 @@ def main(argv=None) -> int:
     start_single_process(args.device)
     from megapkl.models.optimizer import main_params
     from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
 
     t_start = time.perf_counter()
     run_dir = tempfile.mkdtemp(prefix="megapkl_gpu_check_")
     cfg = run_config(args, run_dir)
-    trainer = Trainer(cfg)
+    context = RunContext().__enter__()  # closed below, as `megapkl.train.loop.run` closes it
+    trainer = Trainer(cfg, context)
     learner = trainer.learner
     probe = Probe(learner)
     if args.device == "cuda":
@@ -307,7 +300,7 @@ def main(argv=None) -> int:
         if args.device == "cuda" else None,
         weight_export_s=round(export_s, 3),
     )
-    close(trainer)
+    context.__exit__(None, None, None)  # the engine stops, the run lock is released
     del trainer, learner, probe, samples
     if args.device == "cuda":
         torch.cuda.empty_cache()

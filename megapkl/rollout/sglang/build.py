@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
-from megapkl.rollout.sglang.launch import (LaunchError, ServerProcess, local_address, pick_ports,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address, pick_ports,
                                            plan_servers, releases_memory, router_command,
                                            server_command, slurm_nodes, this_node, wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
@@ -42,21 +42,21 @@ def sync_settings(sg: Any, urls: Sequence[str] = ()) -> SyncSettings:
                         group_address=this_node() if remote else local_address(sg.host))
 
 
-def _eos_token_id(cfg: Any, base: dict, tokenizer: Any) -> Any:
+def _eos_token_id(sg: Any, base: dict, tokenizer: Any) -> Any:
     """The EOS id(s) the served config.json declares: the checkpoint's own, else the tokenizer's.
     SGLang started with --skip-tokenizer-init takes EOS from config.json (and
     generation_config.json) only: without it no response ever stops at EOS."""
     for eos in (base.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
         if eos is not None:
             return eos
-    if cfg.rollout.sglang.server_command:
+    if sg.server_command:
         return None  # a stand-in server (megapkl serve) knows its own EOS
-    raise LaunchError("rollout.sglang: the served model has no eos_token_id (no "
+    raise ServerLaunchError("rollout.sglang: the served model has no eos_token_id (no "
                       "model.hf_checkpoint config.json declares one, and no tokenizer is given: "
                       "set model.tokenizer); SGLang would never stop a response at EOS")
 
 
-def served_model_dir(cfg: Any, hf_config: dict, work: Path, tokenizer: Any = None
+def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
                      ) -> tuple[str, bool]:
     """(model path for the servers, whether they start from dummy weights).
 
@@ -70,17 +70,17 @@ def served_model_dir(cfg: Any, hf_config: dict, work: Path, tokenizer: Any = Non
     which has no `weight_scale_inv` to load."""
     from megapkl.rollout.fp8 import QUANTIZATION_CONFIG
 
-    ckpt = Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else None
-    if ckpt is not None and not cfg.rollout.fp8:
+    ckpt = Path(ctx.hf_checkpoint) if ctx.hf_checkpoint else None
+    if ckpt is not None and not rollout.fp8:
         return str(ckpt), False
     base = dict(hf_config)
     if ckpt is not None and (ckpt / "config.json").is_file():
         base = {**json.loads((ckpt / "config.json").read_text()),
                 "torch_dtype": hf_config.get("torch_dtype", "bfloat16")}
-    eos = _eos_token_id(cfg, base, tokenizer)
+    eos = _eos_token_id(rollout.sglang, base, tokenizer)
     if eos is not None:
         base["eos_token_id"] = eos
-    if cfg.rollout.fp8:
+    if rollout.fp8:
         base["quantization_config"] = dict(QUANTIZATION_CONFIG)
     path = work / "model"
     path.mkdir(parents=True, exist_ok=True)
@@ -90,14 +90,15 @@ def served_model_dir(cfg: Any, hf_config: dict, work: Path, tokenizer: Any = Non
     return str(path), True
 
 
-def engine_slots(cfg: Any, replica: int, replicas: int) -> list[Slot]:
-    """Where this replica's SGLang servers go on the GPUs (placement.py), from the run's layout
-    and this process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
+def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
+    """Where replica `ctx.replica`'s SGLang servers go on the GPUs (placement.py), from the
+    trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
+    process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
     import torch
 
-    par, sg = cfg.parallel, cfg.rollout.sglang
+    sg, replica = rollout.sglang, ctx.replica
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=replicas,
+    lay = TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
                         per_node=per_node)
     gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
     try:
@@ -105,7 +106,7 @@ def engine_slots(cfg: Any, replica: int, replicas: int) -> list[Slot]:
                            replica=replica, nodes=max(1, len(slurm_nodes())),
                            gpus_per_node=gpus)
     except PlacementError as exc:
-        raise LaunchError(str(exc)) from None
+        raise ServerLaunchError(str(exc)) from None
 
 
 def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
@@ -118,24 +119,25 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
             f.result()
 
 
-def launch_fleet(cfg: Any, hf_config: dict, work: Path, replica: int = 0, replicas: int = 1,
-                 tokenizer: Any = None) -> Fleet:
+def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
+                 ) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
-    everything started is stopped and LaunchError names the server and its log."""
-    sg, health = cfg.rollout.sglang, health_settings(cfg.rollout.sglang)
-    model_path, dummy = served_model_dir(cfg, hf_config, work, tokenizer)
+    everything started is stopped and ServerLaunchError names the server and its log. `ctx`: the
+    engine context (megapkl.rollout.factory.EngineContext)."""
+    sg, health, replica = rollout.sglang, health_settings(rollout.sglang), ctx.replica
+    model_path, dummy = served_model_dir(rollout, ctx, hf_config, work, tokenizer)
     # GPU placement for SGLang itself; a stand-in server_command places nothing.
-    slots = None if sg.server_command else engine_slots(cfg, replica, replicas)
+    slots = None if sg.server_command else engine_slots(rollout, ctx)
     if slots is not None and sg.colocate and sg.weight_sync == "distributed" \
             and group_backend() == "nccl":
-        raise LaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
+        raise ServerLaunchError("rollout.sglang.weight_sync: distributed with colocate true puts the "
                           "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
                           "tensor or disk, or rollout.sglang.colocate false")
 
     def make_cmd(host: str, port: int, base_gpu_id: Optional[int]) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
-                              kv_cache_dtype=cfg.rollout.kv_cache_dtype,
-                              routed_experts=cfg.model.routing_replay,
+                              kv_cache_dtype=rollout.kv_cache_dtype,
+                              routed_experts=ctx.routing_replay,
                               context_length=sg.context_length, dummy_weights=dummy,
                               base_gpu_id=base_gpu_id)
 
@@ -173,31 +175,30 @@ def connect_fleet(sg: Any) -> Fleet:
         try:
             wait_healthy(None, url, first_wait_s=0.0, interval_s=min(health.interval_s, 1.0),
                          timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
-        except LaunchError as exc:
-            raise LaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
+        except ServerLaunchError as exc:
+            raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
     with ThreadPoolExecutor(len(named)) as pool:
         for f in [pool.submit(one, x) for x in named]:
             f.result()
     return fleet
 
 
-def build_sglang_engine(cfg: Any, hf_config: dict, tokenizer: Any = None,
-                        transform: Optional[Transform] = None,
-                        run_dir: Optional[Path] = None, replica: int = 0,
-                        replicas: int = 1) -> SGLangEngine:
-    """The engine of trainer replica `replica` of `replicas` (data-parallel leaders): with several,
-    each launches its own fleet, logs and exports under <run_dir>/sglang/replica<r>/."""
-    sg = cfg.rollout.sglang
-    hf_config = {**hf_config, "torch_dtype": "float32" if cfg.model.dtype == "fp32" else "bfloat16"}
-    work = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}") / "sglang"
-    if replicas > 1:
-        work = work / f"replica{replica}"
-    fleet = connect_fleet(sg) if sg.urls else launch_fleet(cfg, hf_config, work, replica,
-                                                           replicas, tokenizer)
-    if transform is None and cfg.rollout.fp8:  # FP8 engines never receive a plain linear weight
-        from megapkl.rollout.fp8 import sync_transform
-
-        transform = sync_transform()
+def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
+                        transform: Optional[Transform] = None) -> SGLangEngine:
+    """The engine of `rollout.sglang` for the engine context `ctx`
+    (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.replicas` (data-parallel
+    leaders); with several, each launches its own fleet, logs and exports under
+    <run_dir>/sglang/replica<r>/. The trainer pushes versions already quantized under
+    rollout.fp8 (where it writes them); `transform` is applied to each bucket of a push besides
+    (identity by default: pass megapkl.rollout.fp8.sync_transform() to push BF16 weights to an
+    FP8 server yourself)."""
+    sg = rollout.sglang
+    hf_config = {**ctx.hf_config,
+                 "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
+    work = Path(ctx.work_dir) / "sglang"
+    if ctx.replicas > 1:
+        work = work / f"replica{ctx.replica}"
+    fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, tokenizer)
     sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                       transform=transform or identity,
                       hf_config=hf_config)

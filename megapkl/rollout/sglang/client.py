@@ -29,6 +29,7 @@ from megapkl.rollout.sglang.fleet import Fleet, Worker
 from megapkl.rollout.sglang.protocol import (Decoded, ProtocolError, as_response_list,
                                              decode_response, generate_payload)
 from megapkl.rollout.sglang.weights import Target, WeightSync
+from megapkl.rollout.version_store import StoredVersion
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 63) - 1
@@ -98,13 +99,18 @@ class SGLangEngine(RolloutEngine):
     # ---- interface: weights ------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Push to every server that can take weights now (ready ones, and stale ones that answer),
-        then admit them; dead ones get these weights when they come back."""
+        then admit them; dead ones get these weights when they come back. A stored version
+        (`VersionStore.get`) is pushed from its file and held by reference, never copied; other
+        weights are held as given, for the servers that come back."""
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
-        weights = list(named_tensors)  # kept: a restarted server must receive exactly these
-        if not weights:
-            raise WeightUpdateError("update_weights received no tensors")
+        if isinstance(named_tensors, StoredVersion):  # a reference to the file, no copy
+            weights = self.sync.pin(named_tensors)
+        else:  # kept: a restarted server must receive exactly these
+            weights = list(named_tensors)
+            if not weights:
+                raise WeightUpdateError("update_weights received no tensors")
         with self.fleet.lock:
             targets = [w for w in self.fleet.workers
                        if w.state == "ready" or (w.state == "stale" and self.fleet._alive(w))]

@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 from megapkl.rollout.engine import RolloutEngineError
 from megapkl.rollout.sglang import http
-from megapkl.rollout.sglang.launch import LaunchError, ServerProcess, ServerSpec, wait_healthy
+from megapkl.rollout.sglang.launch import ServerLaunchError, ServerProcess, ServerSpec, wait_healthy
 from megapkl.rollout.sglang.protocol import parse_version, ProtocolError
 
 
@@ -226,7 +226,7 @@ class Fleet:
                                  interval_s=min(self.health.interval_s, 1.0),
                                  timeout_s=self.health.timeout_s,
                                  deadline_s=self.health.deadline_s, what=f"engine{w.spec.index}")
-                except LaunchError as exc:
+                except ServerLaunchError as exc:
                     w.last_error = str(exc).splitlines()[0]
                     w.process.stop(grace_s=1.0)
                     return

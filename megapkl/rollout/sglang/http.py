@@ -13,6 +13,7 @@ import threading
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.sglang.protocol import ROUTES, error_message
 
 
@@ -29,13 +30,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class ServerUnreachable(ConnectionError):
+class ServerUnreachable(MegapklError, ConnectionError):
     """Connection refused / reset / timed out: the server may be dead or hung."""
 
     url: str = ""
 
 
-class ServerError(RuntimeError):
+class ServerError(MegapklError, RuntimeError):
     """The server answered with an HTTP error (4xx: the request is wrong; 5xx: the server is)."""
 
     def __init__(self, url: str, route: str, status: int, message: str):

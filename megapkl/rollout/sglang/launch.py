@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.placement import Slot
 
 log = logging.getLogger(__name__)
 
 
-class LaunchError(RuntimeError):
+class ServerLaunchError(MegapklError, RuntimeError):
     """A server or the router did not come up; the message names it and its log."""
 
 
@@ -105,7 +106,7 @@ def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = ()) -> 
     ports, p = [], start
     while len(ports) < count:
         if p > 65535:
-            raise LaunchError(f"rollout.sglang.base_port: no {count} free ports from {start}")
+            raise ServerLaunchError(f"rollout.sglang.base_port: no {count} free ports from {start}")
         if p not in taken and port_free(host, p):
             ports.append(p)
         p += 1
@@ -172,13 +173,13 @@ def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int) ->
 def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float,
                  interval_s: float, timeout_s: float, deadline_s: float, route: str = "health",
                  what: str = "server") -> None:
-    """Poll `route` until it answers 200; LaunchError (naming the log) when the process exits or
+    """Poll `route` until it answers 200; ServerLaunchError (naming the log) when the process exits or
     `deadline_s` passes. `first_wait_s` spares servers that compile before they listen."""
     t0 = time.monotonic()
     time.sleep(first_wait_s)
     while True:
         if proc is not None and not proc.alive():
-            raise LaunchError(f"{what} {url} exited with code {proc.popen.returncode} before it "
+            raise ServerLaunchError(f"{what} {url} exited with code {proc.popen.returncode} before it "
                               f"became healthy; log: {proc.log_path}\n{proc.log_tail()}")
         try:
             http.request(url, route, timeout=timeout_s)
@@ -187,7 +188,7 @@ def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float
             pass
         if time.monotonic() - t0 > deadline_s:
             where = f"; log: {proc.log_path}\n{proc.log_tail()}" if proc is not None else ""
-            raise LaunchError(f"{what} {url} not healthy after {deadline_s:.0f} s "
+            raise ServerLaunchError(f"{what} {url} not healthy after {deadline_s:.0f} s "
                               f"(rollout.sglang.health_deadline_s){where}")
         time.sleep(interval_s)
 
@@ -225,14 +226,14 @@ def plan_servers(sg: Any, *, log_dir: Path,
     nodes = slurm_nodes()
     if len(nodes) > 1 and not sg.colocate:
         if shutil.which("srun") is None:
-            raise LaunchError("rollout.sglang.colocate false starts the servers on the "
+            raise ServerLaunchError("rollout.sglang.colocate false starts the servers on the "
                               "allocation's other nodes with `srun --overlap`, and srun is not "
                               "on this task's PATH (a container without the Slurm client?): run "
                               "the job outside a container, or with colocate true")
         from megapkl.rollout.sglang.http import is_loopback
 
         if is_loopback(host):
-            raise LaunchError(f"rollout.sglang.colocate false spreads the servers over the "
+            raise ServerLaunchError(f"rollout.sglang.colocate false spreads the servers over the "
                               f"allocation's {len(nodes)} nodes, which cannot reach a server bound "
                               f"to rollout.sglang.host {host}: set it to an address other nodes "
                               "reach (e.g. 0.0.0.0), which exposes the servers' weight-update "

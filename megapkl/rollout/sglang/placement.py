@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megapkl.errors import MegapklError
 
-class PlacementError(ValueError):
+
+class PlacementError(MegapklError, ValueError):
     """The fleet does not fit the allocation; the one-line message names the keys to change."""
 
 

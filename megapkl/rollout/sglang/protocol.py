@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megapkl.errors import MegapklError
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import FINISH_REASONS
 
@@ -76,7 +77,7 @@ REQUEST_FIELDS: dict[str, frozenset] = {
 PAUSE_MODES = ("retract", "abort", "in_place")
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(MegapklError, RuntimeError):
     """A response that does not follow SGLang's wire format (or contradicts the request)."""
 
 

@@ -12,14 +12,16 @@ named_tensors` first: the seam for FP8 re-quantization (identity by default).
 
 - tensor: `/update_weights_from_tensor` with SGLang's serialized named tensors (a base64 string of
   a torch multiprocessing pickle, one copy per engine TP rank). CPU tensors travel as shared-memory
-  file names, so this is for servers on the same host only (colocated).
+  file names, so this is for servers on the same host only (colocated). A stored policy version
+  is read from its file straight into shared memory, bucket by bucket, freed once read.
 - distributed: `/init_weights_update_group` once per fleet membership, then per bucket
   `/update_weights_from_distributed` {names, dtypes, shapes, load_format: flattened_bucket} while
   this process broadcasts the bucket from rank 0 of that group as one byte buffer. The group is
   NCCL when this process has a GPU (the bucket is copied there first), gloo otherwise. SGLang
   receives a flattened bucket into a uint8 buffer and views each tensor in its declared dtype, so
   FP8 (which gloo cannot broadcast) is declared as float8_e4m3fn and travels as its bytes.
-- disk: the bucket files of a safetensors checkpoint under the run directory, then
+- disk: a stored policy version's own file (hard-linked, never rewritten), or else the bucket
+  files of a safetensors checkpoint written under the run directory, then
   `/update_weights_from_disk` {model_path, load_format: safetensors} on every server (without a
   load_format SGLang uses the server's own, `dummy` for servers started without weights, and its
   disk updater refuses any loader but the default one).
@@ -46,6 +48,7 @@ from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
+from megapkl.rollout.version_store import StoredVersion
 
 NamedTensors = list[tuple[str, Tensor]]
 Transform = Callable[[NamedTensors], NamedTensors]
@@ -70,23 +73,22 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
     return bucketed(named_tensors, bucket_bytes, joins=lambda n: n.endswith(SCALE_SUFFIX))
 
 
-def serialize_named_tensors(named_tensors: NamedTensors, segments: Optional["SharedSegments"] = None
-                            ) -> tuple[str, list[Tensor]]:
+def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
     """SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` format: base64 of a
-    torch ForkingPickler pickle. CPU storages move to shared memory and travel by file name
-    (the 'file_system' strategy): unlike passed descriptors this works between unrelated processes.
-    Returns the payload and the shared copies, which must stay alive until the server has read them
-    (a segment is unlinked when its last holder lets go). `segments` reuses the segments of the
-    previous push (see SharedSegments); without it every tensor gets a new one."""
+    torch ForkingPickler pickle. CPU storages travel in shared memory by file name (the
+    'file_system' strategy: unlike passed descriptors this works between unrelated processes);
+    tensors already there (a stored version streamed into shared memory) go as they are, others
+    are copied there first. GPU tensors travel by CUDA IPC handle, uncopied. Returns the payload
+    and the shared tensors, which must stay alive until the server has read them: their shared
+    memory is freed when the last holder lets go."""
     import base64
     import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
 
-    segments = segments or SharedSegments(reuse=False)
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
-        shared = [(n, segments.shared_copy(t.detach())) for n, t in named_tensors]
+        shared = [(n, shared_copy(t.detach())) for n, t in named_tensors]
         buf = io.BytesIO()
         ForkingPickler(buf).dump(shared)
     finally:
@@ -94,47 +96,12 @@ def serialize_named_tensors(named_tensors: NamedTensors, segments: Optional["Sha
     return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
 
 
-class SharedSegments:
-    """Shared-memory segments for the CPU tensors of the tensor sync, reused from one push to the
-    next: the k-th tensor of a push is copied into the k-th segment of the previous push when the
-    size matches and the segment's name still exists. A fresh segment costs a page fault per 4 KiB
-    on both sides (several memory copies' worth); a reused one is a plain copy here, and a server
-    that kept its mapping from the last push (megapkl serve does) reads it without faulting either.
-    The name check matters: a server that dies takes the names it opened with it, and a restarted
-    server could not open them. Costs one model copy of shared memory between pushes.
-    GPU tensors travel by CUDA IPC handle, uncopied."""
-
-    SHM_DIR = Path("/dev/shm")  # where shm_open names live on Linux; elsewhere: always fresh
-
-    def __init__(self, reuse: bool = True):
-        self.reuse = reuse and self.SHM_DIR.is_dir()
-        self._previous: list[torch.UntypedStorage] = []
-        self._current: list[torch.UntypedStorage] = []
-
-    def start_push(self) -> None:
-        self._previous, self._current = self._current or self._previous, []
-
-    def shared_copy(self, t: Tensor) -> Tensor:
-        if t.device.type != "cpu":
-            return t
-        nbytes = t.numel() * t.element_size()
-        k = len(self._current)
-        storage = self._previous[k] if self.reuse and k < len(self._previous) else None
-        if storage is None or storage.nbytes() != nbytes or not self._exists(storage):
-            try:
-                storage = torch.UntypedStorage._new_shared(nbytes)
-            except (AttributeError, RuntimeError):  # older torch: copy, then move into shm
-                return t.clone().share_memory_()
-        if self.reuse:
-            self._current.append(storage)
-        return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape).copy_(t)
-
-    def _exists(self, storage: torch.UntypedStorage) -> bool:
-        try:
-            name = storage._share_filename_cpu_()[1].decode()
-        except (AttributeError, RuntimeError):
-            return False
-        return (self.SHM_DIR / name.lstrip("/")).exists()
+def shared_copy(t: Tensor) -> Tensor:
+    """`t` in shared memory: itself when it is there already (or on a GPU), else a copy."""
+    if t.device.type != "cpu" or t.is_shared():
+        return t
+    storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape).copy_(t)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -234,7 +201,6 @@ class WeightSync:
         self._groups_made = 0
         self._lock = threading.Lock()
         self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
-        self._segments = SharedSegments()  # tensor mode: shared memory reused between pushes
 
     # ------------------------------------------------------------------ calls
     def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
@@ -317,6 +283,22 @@ class WeightSync:
             self._all(todo, "resume_memory_occupation", lambda t: {})
             self.released.difference_update(t.url for t in todo)
 
+    def pin(self, source: StoredVersion) -> StoredVersion:
+        """Hold a stored version for as long as the servers hold it (a hard link under
+        `<export_dir>/weights/v<N>/`, with the config.json a disk update reads): the store may
+        delete its own link meanwhile, and a restarted server is resynced from it. Versions pinned
+        before are let go."""
+        if self.export_dir is None:
+            return source
+        root = self.export_dir / "weights"
+        pinned = source.pin(root / f"v{source.version}")
+        if self.hf_config is not None:
+            (pinned.path.parent / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+        for old in root.glob("v*"):
+            if old != pinned.path.parent:
+                shutil.rmtree(old, ignore_errors=True)
+        return pinned
+
     def forget(self, url: str) -> None:
         """The server at `url` was restarted: it holds its memory (SGLang's resume of a tag that
         was never released raises in the scheduler and kills it) and is in no update group."""
@@ -325,24 +307,27 @@ class WeightSync:
             self.close_group()  # the next distributed push makes a group it is in
 
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
+        stored = isinstance(named_tensors, StoredVersion)
+        if stored and self.s.mode == "tensor":  # read from disk straight into shared memory
+            named_tensors = named_tensors.stream(shared=True)
         stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
             self._send_tensor(targets, stream)
         elif self.s.mode == "distributed":
             self._send_distributed(targets, stream)
-        else:
-            path = self._export(stream, version)
+        else:  # a stored version is loaded from its own file, never written again
+            path = named_tensors.path.parent if stored else self._export(stream, version)
             self._all(targets, "update_weights_from_disk",
                       lambda t: {"model_path": str(path), "load_format": "safetensors",
                                  "flush_cache": False})
 
     def _send_tensor(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
-        """Bucket k + 1 is copied into shared memory (a worker thread) while the servers load
-        bucket k: the two copies overlap instead of taking turns."""
+        """Bucket k + 1 is read into shared memory (a worker thread) while the servers load
+        bucket k: the two overlap instead of taking turns. Each bucket's shared memory is freed
+        once the servers have read it: nothing stays between pushes."""
         def prepare(bucket: NamedTensors) -> tuple[str, list[Tensor]]:
-            return serialize_named_tensors(self.transform(bucket), self._segments)
+            return serialize_named_tensors(self.transform(bucket))
 
-        self._segments.start_push()
         first = next(stream, None)
         if first is None:
             return

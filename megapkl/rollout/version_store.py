@@ -3,7 +3,9 @@
 Each version is written once, as one safetensors file of (Hugging Face name, tensor) -- already
 block-FP8 quantized when rollouts are FP8 -- under `<run_dir>/policy_versions/v<version>.safetensors`,
 and deleted as soon as the schedule no longer needs it. Engines load a version by streaming its file
-(one tensor at a time) into `update_weights`, the disk sync path. A checkpoint references the files
+(one tensor at a time) into `update_weights`: `get(version)` is a reference to the file, never
+a copy of its tensors (SGLang servers load the file itself under the disk sync, or read it
+streamed into shared memory under the tensor sync). A checkpoint references the files
 by hard-linking them into its own directory (no bytes copied on one filesystem; a copy, with a
 warning, across filesystems), so deleting a version from the run directory never breaks a
 checkpoint that needs it, and pruning the checkpoint frees it. Nothing here depends on ranks: one
@@ -23,10 +25,12 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
+from megapkl.errors import MegapklError
+
 _FILE = re.compile(r"^v(\d{8})\.safetensors$")
 
 
-class VersionStoreError(RuntimeError):
+class VersionStoreError(MegapklError, RuntimeError):
     """A needed policy version is missing or unreadable; the message names the file."""
 
 
@@ -79,40 +83,19 @@ class VersionStore:
             self.path(v).unlink(missing_ok=True)
         return gone
 
-    def load(self, version: int) -> Iterator[tuple[str, Tensor]]:
-        """Stream (name, tensor) of `version` from its file. A missing or corrupt file raises
-        VersionStoreError naming it (before the first tensor is yielded for a bad header).
-        Tensors are read with plain reads, not a memory map: a mapped file's pages would count
-        as this process's memory until the map is closed (one more model copy at the peak)."""
+    def get(self, version: int) -> "StoredVersion":
+        """`version` as a re-readable source of (name, tensor): what an engine is given instead of
+        a copy. VersionStoreError naming the file when it is missing."""
         path = self.path(version)
         if not path.is_file():
             raise VersionStoreError(
                 f"policy version {version} is needed but its file {path} is missing (held: "
                 f"{self.versions()}); was the run directory cleaned or moved?")
-        f = open(path, "rb")
-        try:
-            entries, meta = _read_header(f, path.stat().st_size)
-        except (ValueError, KeyError, TypeError) as e:
-            f.close()
-            raise VersionStoreError(f"policy version {version}: {path} is corrupt or not a "
-                                    f"safetensors file ({e})") from e
-        if meta.get("version") != str(version):
-            f.close()
-            raise VersionStoreError(f"policy version {version}: {path} holds version "
-                                    f"{meta.get('version')!r}")
-        return self._stream(f, entries, path, version)
+        return StoredVersion(version, path)
 
-    @staticmethod
-    def _stream(f, entries, path: Path, version: int) -> Iterator[tuple[str, Tensor]]:
-        with f:
-            for name, dtype, shape, start, size in entries:
-                t = torch.empty(shape, dtype=dtype)
-                f.seek(start)
-                got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) if size else 0
-                if got != size:
-                    raise VersionStoreError(f"policy version {version}: {path} is corrupt at "
-                                            f"tensor '{name}' ({got} of {size} bytes)")
-                yield name, t
+    def load(self, version: int) -> Iterator[tuple[str, Tensor]]:
+        """Stream (name, tensor) of `version` from its file (`get(version).stream()`)."""
+        return self.get(version).stream()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -134,6 +117,76 @@ class VersionStore:
                 raise VersionStoreError(f"checkpoint references policy version {v} but {f} is "
                                         "missing")
             _link_or_copy(f, self.path(v))
+
+
+class StoredVersion:
+    """One policy version's file, read tensor by tensor as often as needed: an engine keeps this
+    reference (to resync a restarted server, or to point servers at the file) instead of the
+    tensors. `pin(directory)` hard-links the file there, so the reference outlives the store
+    deleting its own link."""
+
+    def __init__(self, version: int, path: Path) -> None:
+        self.version, self.path = version, Path(path)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return self.stream()
+
+    def stream(self, shared: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) in file order. A missing or corrupt file raises VersionStoreError
+        naming it (before the first tensor for a bad header). Tensors are read with plain reads,
+        not a memory map: a mapped file's pages would count as this process's memory until the
+        map is closed (one more model copy at the peak). `shared`: each tensor is read straight
+        into shared memory (what the tensor weight sync hands to a server), with no copy between."""
+        path, version = self.path, self.version
+        if not path.is_file():
+            raise VersionStoreError(f"policy version {version}: its file {path} is missing")
+        f = open(path, "rb")
+        try:
+            entries, meta = _read_header(f, path.stat().st_size)
+        except (ValueError, KeyError, TypeError) as e:
+            f.close()
+            raise VersionStoreError(f"policy version {version}: {path} is corrupt or not a "
+                                    f"safetensors file ({e})") from e
+        if meta.get("version") != str(version):
+            f.close()
+            raise VersionStoreError(f"policy version {version}: {path} holds version "
+                                    f"{meta.get('version')!r}")
+        return _stream(f, entries, path, version, shared)
+
+    def pin(self, directory: Union[str, os.PathLike], name: str = "model.safetensors"
+            ) -> "StoredVersion":
+        """The same version through a hard link `directory/name` (a copy across filesystems)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(self.path, out / name)
+        return StoredVersion(self.version, out / name)
+
+
+def _stream(f, entries, path: Path, version: int, shared: bool) -> Iterator[tuple[str, Tensor]]:
+    with f:
+        for name, dtype, shape, start, size in entries:
+            t = _shared_empty(shape, dtype) if shared else torch.empty(shape, dtype=dtype)
+            f.seek(start)
+            got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) if size else 0
+            if got != size:
+                raise VersionStoreError(f"policy version {version}: {path} is corrupt at "
+                                        f"tensor '{name}' ({got} of {size} bytes)")
+            yield name, t
+
+
+def _shared_empty(shape: list[int], dtype: torch.dtype) -> Tensor:
+    """An uninitialized tensor in shared memory that travels between processes by file name
+    (torch's 'file_system' sharing, what SGLang's tensor API reads)."""
+    import torch.multiprocessing as tmp
+
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    finally:
+        tmp.set_sharing_strategy(previous)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",

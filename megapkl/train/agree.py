@@ -1,0 +1,124 @@
+"""One failure agreement across ranks: a failure on any rank stops every rank, at once, alike.
+
+A rank that raises on its own while its peers wait in a collective leaves them there until the
+process-group timeout (tens of minutes). So every section of the run that can fail on some ranks
+only (an engine, a file, a reward function, a server's answer) runs its fallible work locally,
+catches what it raises (`attempt`), and then meets the other ranks at one agreement (`agree`): a
+single all-reduce of a failure flag (plus any flags the section wants reduced anyway). When a
+rank failed, the ranks exchange their one-line reasons and every rank raises the same
+`RanksFailed`, naming the failing ranks and what they raised.
+
+    result, error = attempt(lambda: engine.generate(...))     # local: never a collective
+    agree(error, group, what="the rollout")                   # collective: raises everywhere
+
+A section whose local work consumes a collective stream (the weight export) uses `feed`, which
+drains the rest of the stream after a failure, so the peers' collectives complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megapkl.errors import MegapklError
+from megapkl.parallel.groups import group_device
+from megapkl.rollout.engine import RolloutEngineError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    """What one rank raised, small and picklable."""
+    rank: int
+    kind: str        # the exception's class name
+    message: str     # on one line
+    outage: bool     # an engine could not serve (RolloutEngineError): the engines are down
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "RankError":
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(rank, type(exc).__name__, one_line(str(exc)) or type(exc).__name__,
+                   isinstance(exc, RolloutEngineError))
+
+    def describe(self) -> str:
+        return self.message if self.outage else f"{self.kind}: {self.message}"
+
+
+class RanksFailed(MegapklError):
+    """Raised on every rank of a section when any of them failed; the same message everywhere."""
+
+    def __init__(self, what: str, errors: Sequence[RankError]) -> None:
+        self.what, self.errors = what, list(errors)
+        reasons = list(dict.fromkeys(e.describe() for e in self.errors))
+        if self.outage:  # the engines name themselves (url, log) in their messages
+            text = f"{what}'s engines failed: " + "; ".join(reasons)
+        else:
+            ranks = sorted({e.rank for e in self.errors})
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            text = f"{what} failed on {who}: " + "; ".join(reasons)
+        super().__init__(text)
+
+    @property
+    def outage(self) -> bool:
+        """Every failing rank's engine could not serve (no other kind of failure)."""
+        return all(e.outage for e in self.errors)
+
+
+def attempt(fn: Callable[[], T]) -> tuple[Optional[T], Optional[RankError]]:
+    """(fn(), None), or (None, what it raised). `fn` must not enter a collective after anything
+    that can raise (its peers would wait there)."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - every failure is agreed, then raised on every rank
+        return None, RankError.of(exc)
+
+
+def feed(stream: Iterable, sink: Callable[[Any], Any]) -> Optional[RankError]:
+    """Hand the collective `stream` to `sink` (local work that consumes it and may raise); after a
+    failure the rest of the stream is consumed anyway, so every rank's collectives complete."""
+    it = iter(stream)
+    _, error = attempt(lambda: sink(it))
+    for _ in it:
+        pass
+    return error
+
+
+def agree(error: Optional[RankError], group: Any = None, *, what: str,
+          flags: Sequence[int] = ()) -> list[int]:
+    """Collective over `group` (None: every rank): RanksFailed on every rank if any rank passes an
+    error; else the element-wise maximum of `flags` over the group (free to piggyback on)."""
+    many = dist.is_initialized() and dist.get_world_size(group) > 1
+    vec = torch.tensor([int(error is not None), *flags], dtype=torch.int64,
+                       device=group_device(group if group is not None else _world()))
+    if many:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    if vec[0].item():
+        said: list[Optional[RankError]] = [error]
+        if many:
+            said = [None] * dist.get_world_size(group)
+            dist.all_gather_object(said, error, group=group)
+        raise RanksFailed(what, [e for e in said if e is not None])
+    return [int(x) for x in vec[1:].tolist()]
+
+
+def agreed(fn: Callable[[], T], group: Any = None, *, what: str) -> T:
+    """`fn()` on every rank of `group`, agreed: its result, or RanksFailed on every rank."""
+    result, error = attempt(fn)
+    agree(error, group, what=what)
+    return result  # type: ignore[return-value]
+
+
+def _world() -> Any:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (a header, then one item a line) as one line."""
+    out = ""
+    for line in (" ".join(ln.split()) for ln in text.splitlines()):
+        if line:
+            out += ("" if not out else " " if out.endswith(":") else "; ") + line
+    return out

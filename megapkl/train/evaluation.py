@@ -1,0 +1,83 @@
+"""In-training evaluation every `eval.every` updates (and before the first with `eval.at_start`).
+
+Training pauses for it: every rank takes part in writing the current weights into the version
+store (the collective export; the next update does not export them again), each data-parallel
+replica's engine loads them from there and evaluates every dp_size-th prompt of each benchmark, the records are gathered on rank 0, which writes RUN_DIR/eval/step_XXXXXX.json
+(+ .samples.jsonl) and returns the scalars that go into that update's metrics.jsonl row and
+TensorBoard (`eval/<benchmark>/<metric>`, `eval/micro_avg/accuracy`, `eval/version`). The engine
+gets its previous weights back afterwards, so the rollout schedule (and a resumed run) sees the
+same engine state as without evaluation; eval sampling uses its own seeds and leaves the training
+generators alone. A failure on any rank (the engine, the weight push) is agreed: RanksFailed on
+every rank, the engine recorded at the version rollouts were using.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+from megapkl.train.agree import agree, attempt
+
+
+class Evaluator:
+    """Owned by the trainer; handed the sections, the rollout stage (its engine) and the export."""
+
+    def __init__(self, eval_cfg: Any, rollout_cfg: Any, data_cfg: Any, *, seed: int,
+                 tokenizer: Any, out_dir: Path, dp: tuple[int, int], rollouts: Any,
+                 export: Callable[[], Iterable]) -> None:
+        from megapkl.eval.runner import Scoring, load_benchmarks
+
+        self.cfg, self.rollout_cfg, self.seed = eval_cfg, rollout_cfg, seed
+        self.benchmarks = load_benchmarks(eval_cfg, data_cfg, tokenizer)
+        self.scoring = Scoring(tokenizer=None if data_cfg.synthetic else tokenizer,
+                               timeout_s=eval_cfg.verify_timeout_s)
+        self.out_dir, self.dp, self.rollouts, self.export = Path(out_dir), dp, rollouts, export
+
+    def due(self, u: int) -> bool:
+        """Is the evaluation after update u due (eval.every)?"""
+        every = self.cfg.every
+        return every > 0 and (u + 1) % every == 0
+
+    def run(self, version: int) -> dict[str, float]:
+        """Collective: the eval/* metrics of the current weights (rank 0; {} elsewhere)."""
+        from megapkl.eval.runner import flat_metrics, settings, summarize_records, write_results
+
+        error, records = self._evaluate_here(version)
+        agree(error, what="the evaluation")
+        gathered = [records]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        everything = [r for part in gathered for r in part]
+        summary = {"step": version, **summarize_records(self.benchmarks, everything),
+                   "settings": settings(self.cfg, self.rollout_cfg, self.benchmarks)}
+        write_results(self.out_dir, version, summary, everything)
+        return flat_metrics(summary)
+
+    def _evaluate_here(self, version: int):
+        """(None, this rank's records), or (what failed here, [])."""
+        from megapkl.eval.runner import evaluate
+
+        stage = self.rollouts
+        stage.remember(version, self.export)  # collective: into the store, as rollouts get it
+        if stage.engine is None:
+            return None, []
+        previous = stage.engine.version
+
+        def records() -> list:
+            stage.use_version(version)
+            return evaluate(stage.engine, self.benchmarks, self.cfg, self.rollout_cfg,
+                            step=version, seed=self.seed, scoring=self.scoring, share=self.dp)
+        got, error = attempt(records)
+        if error is None and previous is not None and previous != version \
+                and previous in stage.store.versions():
+            _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
+        if error is not None:
+            stage.failed_with(previous)  # the version rollouts were using, not the eval's
+        return error, got or []
+
+    def close(self) -> None:
+        self.scoring.close()

@@ -1,0 +1,92 @@
+"""What a run holds open, and how it ends: on every exit path, everything is closed.
+
+    with RunContext(launch_ctx) as run:
+        run.lock(run_dir)                 # collective, before anything is launched
+        engine = run.hold(build_engine()) # closed when the run ends, however it ends
+        ...
+        reason = run.stop_requested()     # once per update: one collective
+
+The context is an ExitStack: each component is registered as soon as it exists, so a constructor
+that fails half-way closes what the earlier ones started (launched SGLang fleets, the verifier's
+worker process, TensorBoard and W&B), and so does the normal end, a NaN abort, an engine outage,
+Ctrl-C and a Slurm preemption (whose requeue unwinds the stack on its way out). The run-directory
+lock is taken first and released last.
+
+Stopping: on a local run SIGTERM / SIGINT are recorded (megapkl.train.stopping); under a launcher
+(Slurm) its context records the preemption signal. Either way `stop_requested` asks every rank in
+one collective, so they all save the same checkpoint and stop together.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megapkl.parallel.groups import group_device
+
+T = TypeVar("T")
+PREEMPTION = "preemption"
+
+
+class RunContext:
+    def __init__(self, launch: Any = None) -> None:
+        """`launch`: the launcher's context (Slurm: preemption and requeue), None for a local run."""
+        self.launch = launch
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "RunContext":
+        self.stack.__enter__()
+        if self.launch is None:  # under a launcher, its handlers own the signals
+            from megapkl.train import stopping
+
+            self.stack.callback(stopping.install())
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stack.__exit__(*exc)
+
+    def hold(self, thing: T) -> T:
+        """Close `thing` (if it has a close()) when the run ends; returns it."""
+        close = getattr(thing, "close", None)
+        if close is not None:
+            self.stack.callback(close)
+        return thing
+
+    def lock(self, run_dir: Path) -> None:
+        """Collective: rank 0 takes the run directory's lock (a second live run is refused on
+        every rank, before anything is launched); released when the run ends."""
+        from megapkl.train.agree import agreed
+        from megapkl.train.runlock import RunLock
+
+        def take() -> None:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                self.hold(RunLock(Path(run_dir)).acquire())
+        agreed(take, what="locking the run directory")
+
+    def stop_requested(self) -> Optional[str]:
+        """Collective, once per update on every rank: 'preemption' (launcher), the name of a stop
+        signal any rank received (local run), or None."""
+        if self.launch is not None:
+            return PREEMPTION if self.launch.preempt_requested() else None
+        from megapkl.train import stopping
+
+        flag = torch.tensor([stopping.received()], dtype=torch.int64,
+                            device=group_device(dist.group.WORLD) if dist.is_initialized() else "cpu")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        return stopping.name(signum) if signum else None
+
+    def stop(self, reason: str, u: int, checkpoint: Path) -> None:
+        """After update u's checkpoint: requeue a preempted job (never returns), or say why a
+        local run stopped."""
+        if reason == PREEMPTION:
+            self.launch.requeue()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[megapkl.train] {reason}: stopped after update {u} with checkpoint "
+                  f"{checkpoint}; continue with checkpoint.resume=true", file=sys.stderr,
+                  flush=True)

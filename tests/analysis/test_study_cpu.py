@@ -1,0 +1,93 @@
+"""tools/study_cpu.py: the declared study plans and validates as written, and its verdicts follow
+the declared rule from per-seed summaries (paired tests, Holm within the family)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megapkl.analysis import compare_stats as st
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("study_cpu", ROOT / "tools" / "study_cpu.py")
+study = importlib.util.module_from_spec(spec)
+sys.modules["study_cpu"] = study  # its dataclasses look their module up
+spec.loader.exec_module(study)
+
+
+def test_every_declared_setting_validates(tmp_path):
+    from megapkl.analysis.compare import plan_arms, method_label
+
+    arms = 0
+    for name, fam in study.FAMILIES.items():
+        methods = {s.name: {method_label(m) for m in s.methods} for s in fam.settings}
+        for s in fam.settings:
+            arms += len(plan_arms(study.BASE, s.methods, [0], s.overrides, tmp_path / s.name))
+        for t in fam.tests + fam.described:  # every test names arms of its settings
+            assert {t.a, t.b} <= methods[t.setting] and (t.lo is None or {t.a, t.b} <= methods[t.lo])
+    assert arms == 23  # pilot 3, PKL 8, SIS 8, TETPO 4 per seed
+
+
+def _summary(per_method: dict) -> dict:
+    return {"seeds": [0, 1, 2, 3], "metrics": {study.PRIMARY: {"methods": {
+        m: {study.SUMMARY: {"values": v}} for m, v in per_method.items()}}}}
+
+
+def test_verdicts_follow_the_declared_rule():
+    fam = study.FAMILIES["tetpo"]
+    base = [0.50, 0.40, 0.60, 0.45]
+    good = {"tetpo": [x + 0.10 + 0.01 * i for i, x in enumerate(base)], "gepo": base,
+            "m2po": [x - 0.02 for x in base], "grpo": [x + 0.01 for x in base]}
+    _, results = study.test_lines({"tetpo_u16": _summary(good)}, fam.tests)
+    assert [t.b for t, _, _ in results] == ["gepo", "m2po", "grpo"]
+    ref = [st.paired_t(good["tetpo"], good[b]) for b in ("gepo", "m2po", "grpo")]
+    assert [r.diff for _, r, _ in results] == pytest.approx([r.diff for r in ref])
+    assert [p for _, _, p in results] == pytest.approx(st.holm([r.p for r in ref]))
+    assert study.verdict(results, 3).startswith("supported")
+    worse = dict(good, m2po=[x + 0.3 + 0.01 * i for i, x in enumerate(base)])
+    assert study.verdict(study.test_lines({"tetpo_u16": _summary(worse)}, fam.tests)[1],
+                         3).startswith("contradicted")
+    noisy = dict(good, grpo=[good["tetpo"][0] + 0.2, good["tetpo"][1] - 0.2, *good["tetpo"][2:]])
+    assert study.verdict(study.test_lines({"tetpo_u16": _summary(noisy)}, fam.tests)[1],
+                         3) == "not resolved: 2 of 3 tests resolved in the claimed direction"
+    assert study.verdict([], 3).startswith("not yet measured")
+
+
+def test_difference_in_differences_pairs_settings_by_seed():
+    fam = study.FAMILIES["pkl"]
+    k4 = {"pg": [0.5, 0.6, 0.4], "grpo": [0.6, 0.6, 0.5], "proximal_kl": [0.6, 0.7, 0.5],
+          "proximal_kl_h4": [0.6, 0.6, 0.6]}
+    k16 = {"pg": [0.2, 0.3, 0.2], "grpo": [0.3, 0.4, 0.2], "proximal_kl": [0.5, 0.6, 0.5],
+           "proximal_kl_h4": [0.4, 0.4, 0.3]}
+    summaries = {"pkl_k4": _summary(k4), "pkl_k16": _summary(k16)}
+    _, results = study.test_lines(summaries, fam.tests)
+    t, r, _ = results[0]  # (proximal_kl - grpo at k16) - (... at k4): per seed 0.2, 0.1, 0.3
+    assert (t.a, t.b, t.lo) == ("proximal_kl", "grpo", "pkl_k4")
+    assert r.diff == pytest.approx(0.2)
+    ref = st.paired_t([0.2, 0.1, 0.3], [0.0, 0.0, 0.0])
+    assert (r.low, r.high, r.p) == (pytest.approx(ref.low), pytest.approx(ref.high), pytest.approx(ref.p))
+    assert len(results) == 4 and study.verdict(results, 4).startswith(("not resolved", "supported"))
+
+
+def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
+    """`analyze OUT --docs D` copies each setting's per-seed summary (and run record) to D, and
+    `analyze D` prints the same tables and tests from those copies alone."""
+    import json
+
+    from megapkl.analysis.compare import Comparison, summarize
+
+    rows = lambda v: [{"step": i, "train/accuracy": x, "eval/micro_avg/accuracy": x,  # noqa: E731
+                       "eval/version": i + 1} for i, x in enumerate(v)]
+    cmp = Comparison(tmp_path, ["tetpo", "gepo", "m2po", "grpo"], [0, 1, 2], study.CRITERIA)
+    cmp.runs = {m: {s: rows([0.1 * s, 0.2 + d, 0.5 + d + 0.01 * s]) for s in range(3)}
+                for m, d in (("tetpo", 0.3), ("gepo", 0.0), ("m2po", 0.1), ("grpo", 0.2))}
+    (tmp_path / "out" / "tetpo_u16").mkdir(parents=True)
+    (tmp_path / "out" / "tetpo_u16" / "summary.json").write_text(json.dumps(summarize(cmp)))
+    (tmp_path / "out" / "tetpo_u16" / "runs.json").write_text('{"tetpo/seed-0": {"commit": "abc"}}')
+    study.analyze(tmp_path / "out", tmp_path / "docs")
+    first = capsys.readouterr().out
+    copy = json.loads((tmp_path / "docs" / "tetpo_u16.json").read_text())
+    assert copy["runs"] == {"tetpo/seed-0": {"commit": "abc"}}
+    study.analyze(tmp_path / "docs", None)
+    assert capsys.readouterr().out == first
+    assert "| tetpo - gepo at tetpo_u16 | 0.2 |" in first and "**Verdict: supported" in first

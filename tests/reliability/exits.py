@@ -1,0 +1,125 @@
+"""What every exit of a run must leave behind, checked from inside the rank that ran it.
+
+    dist_run(checked_run, world, cfg, marks)   # each forked rank: run(cfg), then the checks
+    facts = read_facts(marks)              # in the test: {rank: {...}}
+
+After `megapkl.train.loop.run` returns or raises, the rank records (in `marks/rank<r>.json`):
+- `children`: its child processes still alive (the reward worker, launched SGLang servers, W&B's
+  service): none may be left;
+- `lock_free`: the run directory's lock can be taken (rank 0, its holder, released it);
+- `tb_steps`: the steps TensorBoard's event files hold (flushed and closed: every logged row);
+- `saves`: the checkpoint steps this rank wrote, in order (a step twice is a double save);
+- `exit`: the wall time it left `run`, and `error`: what it raised (type: one line), if anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+# torch's helper for CPU tensors shared by file name (the SGLang tensor sync): one per process,
+# started by torch on first use and ending with the process, whatever megapkl closes.
+TORCH_SHM_MANAGER = "torch_shm_manager"
+
+
+def live_children(pid: int) -> list[str]:
+    """'pid cmdline' of the live (non-zombie) processes whose parent is `pid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) != pid or fields[0] == "Z":
+                continue
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        out.append(f"{entry} {cmd.strip()}")
+    return out
+
+
+def tensorboard_steps(run_dir: Path) -> list[int]:
+    """The steps of the scalars in the run's TensorBoard event files (what reached the disk)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps: set[int] = set()
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            steps |= {e.step for e in acc.Scalars(tag)}
+    return sorted(steps)
+
+
+def count_saves(marks: Path) -> None:
+    """Record every checkpoint this rank writes (megapkl.train.checkpointing.save)."""
+    import torch.distributed as dist
+
+    from megapkl.train import checkpointing
+
+    real = checkpointing.save
+
+    def save(cfg, parts, step, layout):
+        rank = dist.get_rank()
+        with open(marks / f"saves_rank{rank}", "a") as f:
+            f.write(f"{step}\n")
+        return real(cfg, parts, step, layout)
+
+    checkpointing.save = save
+
+
+def checked_run(rank: int, world: int, cfg: Any, marks: Path,  # noqa: ARG001 - run_forked's
+                inject: Optional[Callable[[int], None]] = None) -> Any:
+    """`megapkl.train.loop.run(cfg)` on this rank, then the checks of the module docstring. What
+    run raises is recorded (`error`), not raised: the test harness kills the other ranks as soon
+    as one raises, before they could record their own exit."""
+    from megapkl.train.loop import run
+    from megapkl.train.runlock import RunLock, RunLockError
+
+    marks.mkdir(parents=True, exist_ok=True)
+    count_saves(marks)
+    if inject is not None:
+        inject(rank)
+    error: Optional[BaseException] = None
+    try:
+        return run(cfg)
+    except Exception as exc:  # noqa: BLE001 - recorded: the harness would kill the other ranks
+        error = exc
+        return None
+    finally:
+        left = time.time()
+        run_dir = Path(cfg.run_dir)
+        try:
+            RunLock(run_dir).check_free()
+            lock_free = True
+        except RunLockError:
+            lock_free = False
+        tb = tensorboard_steps(run_dir) if rank == 0 and cfg.logging.tensorboard else None
+        saves = marks / f"saves_rank{rank}"
+        facts = {"exit": left, "children": live_children(os.getpid()), "lock_free": lock_free,
+                 "tb_steps": tb, "error": None if error is None else
+                 f"{type(error).__name__}: {' '.join(str(error).split())}",
+                 "saves": [int(s) for s in saves.read_text().split()] if saves.exists() else []}
+        (marks / f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+def read_facts(marks: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(marks.glob("rank*.json"))}
+
+
+def assert_closed(facts: dict[int, dict], run_dir: Path, rows: int) -> None:
+    """Every rank: no child process left, each checkpoint step saved once; rank 0 (its holder)
+    released the lock, and its TensorBoard holds every one of the `rows` logged updates."""
+    for rank, f in facts.items():
+        left = [c for c in f["children"] if Path(c.split()[1]).name != TORCH_SHM_MANAGER]
+        assert left == [], f"rank {rank} left processes behind: {left}"
+        assert len(f["saves"]) == len(set(f["saves"])), f"rank {rank} saved twice: {f['saves']}"
+    assert facts[0]["lock_free"], "rank 0 (the lock's holder) left the run directory locked"
+    tb = facts[0]["tb_steps"]
+    if tb is not None:
+        assert tb == list(range(rows)), f"TensorBoard holds steps {tb}, metrics.jsonl {rows} rows"

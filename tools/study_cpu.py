@@ -1,0 +1,290 @@
+"""The CPU-scale study of docs/study-cpu.md: run it (in parts), then state each claim's verdict.
+
+    python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
+    python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
+    python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
+
+`run` trains every setting of the chosen families through `megapkl compare` (arms are exactly their
+presets on configs/study/repeat_next.yaml, plus the family's declared overrides), one run after
+another. A run whose metrics.jsonl already holds its last update is kept, so the study can be run
+in several parts and resumes where it stopped; each run's code version (git commit, and whether
+the tracked tree had local changes) and wall time go to OUT/<setting>/runs.json. `analyze` reads
+each setting's finished runs (recomputing its summary.json, the per-seed values), copies that with
+runs.json to --docs/<setting>.json with the primary curve as <setting>.png (and reads those copies
+when given that folder), and prints the
+declared tests: paired differences and difference-in-differences by seed, paired t
+with Holm's adjustment within each family, and the verdict of each claim.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megapkl.analysis import compare_stats as st  # noqa: E402
+from megapkl.analysis.compare import (Arm, Criteria, compare, fmt_p, run_local,  # noqa: E402
+                                      _fmt)
+
+BASE = str(ROOT / "configs" / "study" / "repeat_next.yaml")
+PKL_H4 = str(ROOT / "configs" / "study" / "proximal_kl_h4.yaml")
+PRIMARY = "eval/micro_avg/accuracy"
+SUMMARY = "auc"           # the declared summary of a curve: its mean over the evaluations
+CRITERIA = Criteria(metric=PRIMARY)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    methods: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Test:
+    """One declared comparison: a - b in `setting`, or with `lo` set the difference in differences
+    (a - b in setting) - (a - b in lo), per seed."""
+
+    a: str
+    b: str
+    setting: str
+    lo: Optional[str] = None
+
+    def label(self) -> str:
+        if self.lo is None:
+            return f"{self.a} - {self.b} at {self.setting}"
+        return f"({self.a} - {self.b}) at {self.setting} minus at {self.lo}"
+
+
+@dataclass(frozen=True)
+class Family:
+    claim: str
+    settings: tuple[Setting, ...]
+    tests: tuple[Test, ...] = ()            # Holm-adjusted together; all > 0 supports the claim
+    described: tuple[Test, ...] = field(default=())  # reported with their own Holm family
+
+
+def _per(name: str, methods, *over) -> Setting:
+    return Setting(name, tuple(methods), tuple(over))
+
+
+PKL_ARMS = ("pg", "grpo", "proximal_kl", PKL_H4)
+# TETPO App. B protocol, scaled: a lag drawn from U{1..16} per prompt group, weights against the
+# sampler, mean-centred advantages, one update per batch of 32 x 8
+UNIFORM16 = ("rollout.protocol=uniform_stale", "rollout.max_staleness=16", "rollout.snapshot_pool=32",
+             "reference.mode=behavior", "advantage.mode=group_mean", "rollout.minibatches_per_batch=1",
+             "parallel.micro_batch_size=128", "train.steps=200")
+SIS_ARMS = ("grpo", "sis_grpo", "gspo", "sis_gspo")
+FAMILIES = {
+    "pilot": Family("the task is learned on-policy", (
+        _per("pilot_onpolicy", ["grpo"], "rollout.protocol=on_policy", "rollout.max_staleness=null",
+             "rollout.minibatches_per_batch=1", "parallel.micro_batch_size=128", "train.steps=150"),
+        # the most off-policy setting of the study still learns within its budget
+        _per("pilot_k16", ["grpo"], "rollout.max_staleness=16", "train.steps=400"),
+        _per("pilot_u16", ["grpo"], *UNIFORM16))),
+    "pkl": Family("Proximal KL degrades less than GRPO and PG as staleness grows (k 4 -> 16)", (
+        _per("pkl_k4", PKL_ARMS, "rollout.max_staleness=4"),
+        _per("pkl_k16", PKL_ARMS, "rollout.max_staleness=16")),
+        tests=tuple(Test(a, b, "pkl_k16", "pkl_k4") for a in ("proximal_kl", "proximal_kl_h4")
+                    for b in ("grpo", "pg")),
+        described=tuple(Test(a, b, s) for s in ("pkl_k4", "pkl_k16")
+                        for a in ("proximal_kl", "proximal_kl_h4") for b in ("grpo", "pg"))),
+    "sis": Family("SIS helps token-IS objectives as minibatches per rollout grow (N 1 -> 4)", (
+        # same rollout budget (100 batches of 32 x 8): N = 1 is 100 updates, N = 4 is 400;
+        # KL to the initial model off in every arm (sis_grpo's preset has 1e-3, the others 0)
+        _per("sis_n1", SIS_ARMS, "rollout.max_staleness=0", "rollout.minibatches_per_batch=1",
+             "parallel.micro_batch_size=128", "train.steps=100", "eval.every=5",
+             "objective.kl_init_coef=0.0"),
+        _per("sis_n4", SIS_ARMS, "rollout.max_staleness=0", "eval.every=20",
+             "objective.kl_init_coef=0.0")),
+        tests=(Test("sis_grpo", "grpo", "sis_n4"), Test("sis_gspo", "gspo", "sis_n4"),
+               Test("sis_grpo", "grpo", "sis_n4", "sis_n1"),
+               Test("sis_gspo", "gspo", "sis_n4", "sis_n1")),
+        described=(Test("sis_grpo", "grpo", "sis_n1"), Test("sis_gspo", "gspo", "sis_n1"))),
+    "tetpo": Family("TETPO beats GEPO, M2PO and GRPO under uniform staleness U{1..16}", (
+        _per("tetpo_u16", ("tetpo", "gepo", "m2po", "grpo"), *UNIFORM16),),
+        tests=tuple(Test("tetpo", b, "tetpo_u16") for b in ("gepo", "m2po", "grpo"))),
+}
+
+
+# ---------------------------------------------------------------- run
+
+def code_version() -> dict:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"),
+            "local_changes": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    runs[f"{arm.method}/seed-{arm.seed}"] = {**version, "wall_s": round(wall, 1),
+                                            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+
+
+def run(out: Path, families: list[str], seeds: list[int]) -> None:
+    version = code_version()  # the code this block runs (imported once, at its start)
+    for fam in families:
+        for s in FAMILIES[fam].settings:
+            where = out / s.name
+            print(f"[study] {s.name}: {', '.join(map(label, s.methods))} x seeds {seeds}", flush=True)
+            runner = functools.partial(run_local, skip_finished=True,
+                                       on_done=functools.partial(record, where / "runs.json", version))
+            compare(BASE, s.methods, seeds, s.overrides, out=where, criteria=CRITERIA,
+                    runner=runner)
+            done = finished_seeds(where, s)  # this block's seeds and every earlier block's
+            if done != seeds:
+                compare(BASE, s.methods, done, s.overrides, out=where, criteria=CRITERIA,
+                        analyze_only=True)
+
+
+def finished_seeds(where: Path, s: Setting) -> list[int]:
+    """Seeds whose run of every method of `s` holds its last update."""
+    from megapkl.analysis.compare import finished, plan_arms
+
+    found = sorted({int(p.name.split("-")[1]) for p in where.glob("*/seed-*")})
+    arms = plan_arms(BASE, s.methods, found, s.overrides, where)
+    return [seed for seed in found if all(finished(BASE, a) for a in arms if a.seed == seed)]
+
+
+# ---------------------------------------------------------------- analyze
+
+def label(method: str) -> str:
+    return Path(method).stem
+
+
+def values(summaries: dict, setting: str, method: str, key: str = SUMMARY) -> list[float]:
+    return summaries[setting]["metrics"][PRIMARY]["methods"][method][key]["values"]
+
+
+def run_test(summaries: dict, t: Test) -> st.PairedTest:
+    if t.lo is None:
+        return st.paired_t(values(summaries, t.setting, t.a), values(summaries, t.setting, t.b))
+    return st.diff_in_diff(values(summaries, t.setting, t.a), values(summaries, t.lo, t.a),
+                           values(summaries, t.setting, t.b), values(summaries, t.lo, t.b))
+
+
+def test_lines(summaries: dict, tests: tuple[Test, ...]) -> tuple[list[str], list[tuple]]:
+    done = [(t, run_test(summaries, t)) for t in tests
+            if all(s in summaries for s in (t.setting, t.lo) if s)]
+    adjusted = st.holm([r.p for _, r in done]) if done else []
+    lines = ["| comparison | effect | 95% t interval | d_z | p | Holm p | BCa interval | n |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (t, r), p in zip(done, adjusted):
+        lines.append(f"| {t.label()} | {_fmt(r.diff)} | [{_fmt(r.low)}, {_fmt(r.high)}] | "
+                     f"{_fmt(r.effect)} | {fmt_p(r.p)} | {fmt_p(p)} | [{_fmt(r.boot_low)}, "
+                     f"{_fmt(r.boot_high)}] | {r.n} |")
+    return lines, [(t, r, p) for (t, r), p in zip(done, adjusted)]
+
+
+def verdict(results: list[tuple], expected: int) -> str:
+    if len(results) < expected:
+        return f"not yet measured ({len(results)} of {expected} tests have data)"
+    up = [r.diff > 0 and p <= 0.05 for _, r, p in results]
+    down = [r.diff < 0 and p <= 0.05 for _, r, p in results]
+    if all(up):
+        return "supported: every declared test resolved in the claimed direction"
+    if any(down):
+        return "contradicted: a declared test resolved against the claim"
+    return f"not resolved: {sum(up)} of {len(up)} tests resolved in the claimed direction"
+
+
+def method_table(summaries: dict, setting: str) -> list[str]:
+    block = summaries[setting]["metrics"][PRIMARY]["methods"]
+    lines = [f"**{setting}** (n = {len(summaries[setting]['seeds'])} seeds)", "",
+             "| method | mean eval accuracy over the run | final | reached 0.9 | KM median updates "
+             "| collapsed |",
+             "|---|---|---|---|---|---|"]
+    for m, t in block.items():
+        a, f, r = t["auc"], t["final"], t["updates_to_threshold"]
+        lines.append(f"| {m} | {_fmt(a['mean'])} [{_fmt(a['low'])}, {_fmt(a['high'])}] | "
+                     f"{_fmt(f['mean'])} [{_fmt(f['low'])}, {_fmt(f['high'])}] | "
+                     f"{r['reached']} of {r['n']} | {_fmt(r['median'])} | "
+                     f"{t['collapsed']['count']} of {r['n']} |")
+    return lines + [""]
+
+
+def analyze(out: Path, docs: Optional[Path]) -> None:
+    summaries = {}
+    for fam in FAMILIES.values():
+        for s in fam.settings:
+            path = out / s.name / "summary.json"
+            done = finished_seeds(out / s.name, s) if (out / s.name).is_dir() else []
+            if len(done) >= 2:  # recompute from the runs with this code's analysis
+                compare(BASE, s.methods, done, s.overrides, out=out / s.name, criteria=CRITERIA,
+                        analyze_only=True)
+            if path.exists():
+                summaries[s.name] = json.loads(path.read_text())
+                if docs is not None:
+                    runs = out / s.name / "runs.json"
+                    docs.mkdir(parents=True, exist_ok=True)
+                    (docs / f"{s.name}.json").write_text(json.dumps(
+                        {"summary": summaries[s.name],
+                         "runs": json.loads(runs.read_text()) if runs.exists() else {}},
+                        indent=1) + "\n")
+                curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
+                if curve.exists():
+                    shutil.copyfile(curve, docs / f"{s.name}.png")
+            elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
+                summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
+    for key, fam in FAMILIES.items():
+        print(f"### {key}: {fam.claim}\n")
+        have = [s.name for s in fam.settings if s.name in summaries]
+        if not have:
+            print("(not run)\n")
+            continue
+        for s in have:
+            print("\n".join(method_table(summaries, s)))
+        if fam.tests:
+            lines, results = test_lines(summaries, fam.tests)
+            print("Declared tests (one Holm family):\n\n" + "\n".join(lines) + "\n")
+            print(f"**Verdict: {verdict(results, len(fam.tests))}.**\n")
+        if fam.described:
+            lines, _ = test_lines(summaries, fam.described)
+            print("Differences per setting (their own Holm family, descriptive):\n\n"
+                  + "\n".join(lines) + "\n")
+
+
+def parse_seeds(text: str) -> list[int]:
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train the chosen families' settings (finished runs are kept)")
+    r.add_argument("out", type=Path)
+    r.add_argument("--family", default="pilot,pkl,sis,tetpo")
+    r.add_argument("--seeds", default="0-9", help="e.g. 0-9 or 0,1,2 (at least 2)")
+    a = sub.add_parser("analyze", help="per-setting tables and the declared tests")
+    a.add_argument("out", type=Path)
+    a.add_argument("--docs", type=Path, default=None, help="copy per-seed summaries here")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        families = args.family.split(",")
+        unknown = [f for f in families if f not in FAMILIES]
+        if unknown:
+            ap.error(f"unknown family {unknown}; known: {', '.join(FAMILIES)}")
+        run(args.out, families, parse_seeds(args.seeds))
+    else:
+        analyze(args.out, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
