@@ -118,8 +118,11 @@ def start_router(log_dir: Path, worker_urls: Sequence[str], *, port: Optional[in
                  policy: str = "round_robin", args: Sequence[str] = ()) -> Proc:
     """The real sglang-router (`python -m sglang_router.launch_router`) in front of workers."""
     port = port or free_port()
+    # the router's metrics listener defaults to one fixed port: two routers at once (two test
+    # sessions on a machine) would collide there, as megapkl's own launch avoids
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
            "--policy", policy, "--host", HOST, "--port", str(port), "--log-level", "warn",
+           "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
            "--worker-startup-timeout-secs", str(int(START_TIMEOUT)), *args]
     return _spawn("router", cmd, Path(log_dir) / f"router-{port}.log", f"http://{HOST}:{port}")
 
