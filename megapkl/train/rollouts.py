@@ -15,7 +15,9 @@ every rank raises the same RanksFailed, with the stage back at the start of the 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -29,6 +31,7 @@ from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
 from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import RankError, RanksFailed, agree, agreed, attempt, feed
+from megapkl.train.producer import Producer
 from megapkl.train.timers import Timers
 
 MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group ids of refill rounds
@@ -51,10 +54,21 @@ class Replica:
         return cls(g.dp_rank, g.dp_size, leader, replica_group(g), g.dp)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """Asynchronous rollouts (rollout.async_batches): how many batches to generate ahead, the
+    behavior version of each group of a batch (the schedule's) and the run's number of batches."""
+    batches: int
+    versions_of: Callable[[int], Sequence[int]]
+    total: int
+
+
 def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[Timers] = None,
-                        hold: Callable[[Any], Any] = lambda x: x) -> "RolloutStage":
+                        hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None
+                        ) -> "RolloutStage":
     """The stage of a run config: tokenizer and prompts (data), reward, version store and, on a
-    replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists."""
+    replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists.
+    `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
 
@@ -73,18 +87,22 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
         engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=cfg.model.routing_replay)
+    ahead = None
+    if r.async_batches and schedule is not None:
+        ahead = Ahead(r.async_batches, schedule.group_versions,
+                      -(-cfg.train.steps // r.minibatches_per_batch))
     return RolloutStage(r, cfg.advantage, data=cfg.data, correct=cfg.reward.correct, seed=cfg.seed,
                         tokenizer=tokenizer,
                         dataset=dataset, reward=reward, store=store, engine=engine,
-                        sampling=sampling, replica=replica, timers=timers)
+                        sampling=sampling, replica=replica, timers=timers, ahead=ahead)
 
 
 class RolloutStage:
     def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
                  tokenizer: Any,
                  dataset: Any, reward: Any, store: VersionStore, engine: Any,
-                 sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None
-                 ) -> None:
+                 sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None,
+                 ahead: Optional[Ahead] = None) -> None:
         from megapkl.rollout.data import PromptIterator
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
@@ -105,10 +123,26 @@ class RolloutStage:
         # After a failed batch or evaluation, the version a checkpoint records as the engine's:
         # the one it held before (None: the next batch loads what it needs).
         self._failed, self._version_before_failure = False, None
+        # Generation ahead (leader only): the engine does one unit of work at a time; `_held` is
+        # the version the engine held after the last unit a batch used (what a checkpoint records).
+        self.ahead = ahead if replica.leader else None
+        self.producer: Optional[Producer] = None
+        self._engine_lock, self._held = threading.Lock(), None
 
     @property
     def leader(self) -> bool:
         return self.replica.leader
+
+    @property
+    def held(self) -> Optional[int]:
+        """The engine's version as the rollout schedule left it (generation ahead aside)."""
+        if self.engine is None:
+            return None
+        return self._held if self.ahead else self.engine.version
+
+    def exclusive(self) -> threading.Lock:
+        """Hold the engine between generations (an evaluation pushes its own weights)."""
+        return self._engine_lock
 
     # ------------------------------------------------------------------ weights
 
@@ -128,6 +162,8 @@ class RolloutStage:
             error = feed(export(), write)
             agree(error, what="saving the policy version")
         self.kept.add(version)
+        if self.producer is not None:
+            self.producer.published()
 
     def drop(self, version: int) -> None:
         """`version` is not needed (an evaluation wrote it; no batch is generated from it)."""
@@ -144,14 +180,15 @@ class RolloutStage:
             raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
                                "versions at once; raise rollout.snapshot_pool")
 
-    def use_version(self, version: int) -> None:
+    def use_version(self, version: int, timers: Optional[Timers] = None) -> bool:
         """Give this leader's engine `version` from the store (nothing if it holds it): a
-        reference to the stored file, which the engine reads, never a copy of the weights."""
+        reference to the stored file, which the engine reads, never a copy of the weights.
+        True if it loaded."""
         if self.engine.version == version:
-            return
-        with self.timers("sync"):
+            return False
+        with (timers or self.timers)("sync"):
             self.engine.update_weights(self.store.get(version), version)
-        self.versions_loaded += 1
+        return True
 
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine loaded for the current batch."""
@@ -164,12 +201,12 @@ class RolloutStage:
         advantages (Sample.advantage). Collective; on a failure anywhere, RanksFailed on every
         rank with the rollout state as it was before the batch (a checkpoint taken then is the one
         of the last finished update, and a resume regenerates the batch exactly)."""
-        prompts, held = self.prompts.state_dict(), self.engine.version if self.leader else None
-        if self.leader:
-            self.engine.new_batch()
+        prompts, held = self.prompts.state_dict(), self.held
         self.versions_loaded = 0
         try:
-            return self._collect(batch, group_versions)
+            samples = self._collect(batch, group_versions)
+            self._plan_ahead(batch)
+            return samples
         except RanksFailed:
             if self.leader:  # what this rank's engine answered is there for the resumed run
                 self.engine.keep_answers()
@@ -220,33 +257,84 @@ class RolloutStage:
         left alone in a collective."""
         out: list[Any] = [None]
         if self.leader:
-            groups, error = attempt(lambda: self._generate_here(batch, rnd, todo))
-            out = [error or groups]
+            out = [self._unit_here((batch, rnd, tuple(todo)))]
         g = self.replica.group
         if g is not None and dist.get_world_size(g) > 1:
             dist.broadcast_object_list(out, src=dist.get_global_rank(g, 0), group=g)
         return out[0]
 
-    def _generate_here(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]
-                       ) -> list[list[Sample]]:
-        """The leader's part of `_generate`: run the engine at each scheduled version."""
+    # ------------------------------------------------------------------ units of work (leader)
+
+    def _unit_here(self, key: tuple) -> "list[list[Sample]] | RankError":
+        """The leader's part of `_generate`: the unit `key` (batch, round, todo), generated ahead
+        if it was (rollout.async_batches), else here; its time and loads go to this batch."""
+        got = None
+        if self.ahead is not None:
+            with self.timers("wait"):
+                got = self.producer.take(key) if self.producer is not None else None
+        groups, error, loads, held, times = got or self._work(key)
+        self.timers.absorb(times)
+        if error is not None:
+            return error
+        self.versions_loaded += loads
+        self._held = held
+        return groups
+
+    def _work(self, key: tuple) -> tuple:
+        """(groups, error, versions loaded, engine version after, timer totals) of one unit, with
+        the engine held; a pure function of `key` (seeded sampling at the named versions)."""
+        batch, rnd, todo = key
+        timers = Timers()
+
+        def run():
+            if rnd == 0:
+                self.engine.new_batch()  # the answered-groups store follows the batch
+            return self._generate_here(batch, rnd, todo, timers)
+        with self._engine_lock:
+            got, error = attempt(run)
+            held = self.engine.version
+        groups, loads = got or (None, 0)
+        return groups, error, loads, held, dict(timers.totals)
+
+    def _plan_ahead(self, batch: int) -> None:
+        """After batch `batch`: the first draw of each of the next `ahead.batches` batches, as the
+        prompt iterator and the schedule name them, for the producer (started here, after a resume
+        has loaded the engine's version)."""
+        if self.ahead is None:
+            return
+        if self.producer is None:
+            self.producer = Producer(self._work, ready=lambda k: all(
+                v in self.kept for _, _, v in k[2]), failed=lambda r: r[1] is not None)
+        prompts, keys = copy.deepcopy(self.prompts), []
+        r = self.replica
+        for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):
+            idx, versions = prompts.next_indices(self.rollout.prompts_per_batch), \
+                self.ahead.versions_of(b)
+            keys.append((b, 0, tuple((idx[g], g, versions[g]) for g in
+                                     range(r.dp_rank * self.per_rank,
+                                           (r.dp_rank + 1) * self.per_rank))))
+        self.producer.plan(keys)
+
+    def _generate_here(self, batch: int, rnd: int, todo: Sequence[tuple[int, int, int]],
+                       timers: Timers) -> tuple[list[list[Sample]], int]:
+        """Run the engine at each scheduled version: (samples per group, versions loaded)."""
         groups: dict[int, list[Sample]] = {}
-        held = self.engine.version  # first: a refill round starts without a reload
+        held, loads = self.engine.version, 0  # first: a refill round starts without a reload
         for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
             part = [(i, slot) for i, slot, v in todo if v == version]
-            self.use_version(version)
+            loads += self.use_version(version, timers)
             seed = mix64_int(mix64_int(mix64_int(self.seed) + batch) + rnd * 7919 + version) >> 1
             sampling = dataclasses.replace(self.sampling, seed=seed)
-            with self.timers("generate"):
+            with timers("generate"):
                 samples = self.engine.generate([self.dataset[i] for i, _ in part],
                                                self.group_size, sampling)
-            with self.timers("reward"):
+            with timers("reward"):
                 self.reward(samples)
             for j, (_, slot) in enumerate(part):
                 members = samples[j * self.group_size:(j + 1) * self.group_size]
                 self._label(members, batch, rnd, slot)
                 groups[slot] = members
-        return [groups[slot] for _, slot, _ in todo]
+        return [groups[slot] for _, slot, _ in todo], loads
 
     def _label(self, members: list[Sample], batch: int, rnd: int, slot: int) -> None:
         """Global uid and group id: unique over batches, refill rounds and DP ranks."""
@@ -267,7 +355,7 @@ class RolloutStage:
 
     def state_dict(self) -> dict:
         """The prompt iterator and the engine's version (rank 0's are every engine's)."""
-        held = self.engine.version if self.leader else None
+        held = self.held
         if self._failed:  # after a failure: the version before the batch or evaluation
             held = self._version_before_failure
         return {"prompts": self.prompts.state_dict(), "engine_version": held}
@@ -280,6 +368,7 @@ class RolloutStage:
         if v is not None:
             agreed(lambda: self.use_version(v) if self.leader else None,
                    what=f"loading policy version {v} into the engines")
+            self._held = v
 
     def save_files(self, checkpoint: Path) -> None:
         """The versions are referenced by the checkpoint (hard links under
@@ -300,7 +389,10 @@ class RolloutStage:
         self.kept = set(saved)
 
     def close(self) -> None:
-        """The engine (launched servers stop with the run) and the reward's worker."""
+        """The generation ahead, the engine (launched servers stop with the run) and the
+        reward's worker."""
+        if self.producer is not None:
+            self.producer.stop()
         for part in (self.engine, self.reward):
             close = getattr(part, "close", None)
             if close is not None:

@@ -15,8 +15,8 @@ import contextlib
 import time
 from typing import Iterator
 
-NAMES = ("export", "sync", "generate", "reward", "reference", "train", "eval", "checkpoint",
-         "log")
+NAMES = ("export", "sync", "generate", "reward", "wait", "reference", "train", "eval",
+         "checkpoint", "log")
 
 
 class Timers:
@@ -38,6 +38,11 @@ class Timers:
         finally:
             self.totals[name] += time.perf_counter() - t0
             self._inside = ""
+
+    def absorb(self, totals: dict[str, float]) -> None:
+        """Add work timed elsewhere (generation ahead of training, on its own thread)."""
+        for name, seconds in totals.items():
+            self.totals[name] += seconds
 
     def start(self) -> None:
         """Start over (the first update's wall time begins here)."""
