@@ -272,8 +272,8 @@ class RolloutStage:
         if self.ahead is not None:
             with self.timers("wait"):
                 got = self.producer.take(key) if self.producer is not None else None
-        groups, error, loads, held, times = got or self._work(key)
-        self.timers.absorb(times)
+        groups, error, loads, held, timers = got or self._work(key)
+        self.timers.absorb(timers)
         if error is not None:
             return error
         self.versions_loaded += loads
@@ -281,7 +281,7 @@ class RolloutStage:
         return groups
 
     def _work(self, key: tuple) -> tuple:
-        """(groups, error, versions loaded, engine version after, timer totals) of one unit, with
+        """(groups, error, versions loaded, engine version after, its timers) of one unit, with
         the engine held; a pure function of `key` (seeded sampling at the named versions)."""
         batch, rnd, todo = key
         timers = Timers()
@@ -294,7 +294,7 @@ class RolloutStage:
             got, error = attempt(run)
             held = self.engine.version
         groups, loads = got or (None, 0)
-        return groups, error, loads, held, dict(timers.totals)
+        return groups, error, loads, held, timers
 
     def _plan_ahead(self, batch: int) -> None:
         """After batch `batch`: the first draw of each of the next `ahead.batches` batches, as the
