@@ -104,3 +104,18 @@ def test_async_equals_sync_with_evaluation(cluster, dist_run, tmp_path):
 def test_async_equals_sync_through_router(cluster, dist_run, tmp_path):
     check_identity(dist_run, tmp_path, [*PROTOCOLS["periodic_refresh"], *servers(cluster, True)],
                    ahead=1)
+
+
+def test_async_resume_with_queued_batches(cluster, dist_run, tmp_path):
+    """A checkpoint taken while the next batch is already generated (queued, not saved; the
+    engine already at that batch's version) resumes to the same run: the resumed run generates that batch again, from the same prompts, versions
+    and seeds."""
+    run = [*PROTOCOLS["controlled_staleness"], *servers(cluster, router=False),
+           "rollout.async_batches=2", "checkpoint.every=2", "checkpoint.keep=3"]
+    full = train(dist_run, tmp_path / "full", run)
+    assert full[4]["time/generate_from_s"] < full[3]["time/train_to_s"]  # queued at step 4
+    step4 = tmp_path / "full" / "checkpoints" / "step_00000004"
+    resumed = train(dist_run, tmp_path / "resumed", [*run, f"checkpoint.resume={step4}",
+                                                     f"checkpoint.dir={tmp_path}/resumed/ckpt"])
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert result(resumed) == result(full)[4:]
