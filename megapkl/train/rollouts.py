@@ -12,6 +12,11 @@ without holding them in host memory.
 Whatever fails on a replica leader (the engine, a version file, a weight update, the server's
 answer, the reward function) is agreed over the data-parallel ranks (`megapkl.train.agree`):
 every rank raises the same RanksFailed, with the stage back at the start of the batch.
+
+Under rollout.async_batches a leader's producer thread (train/producer.py) generates the next
+batches' first draws while the trainer trains: each a unit of work (batch, round, [(prompt, slot,
+version)]) whose result is a pure function of its key, taken by `_generate` only for exactly the key
+the synchronous run would generate (docs/async.md).
 """
 from __future__ import annotations
 
@@ -208,6 +213,8 @@ class RolloutStage:
             self._plan_ahead(batch)
             return samples
         except RanksFailed:
+            if self.producer is not None:  # the run stops: no more generation ahead
+                self.producer.stop()
             if self.leader:  # what this rank's engine answered is there for the resumed run
                 self.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
