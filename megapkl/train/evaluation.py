@@ -71,13 +71,13 @@ class Evaluator:
             return evaluate(stage.engine, self.benchmarks, self.cfg, self.rollout_cfg,
                             step=version, seed=self.seed, scoring=self.scoring, share=self.dp)
         with stage.exclusive():  # between generations ahead of training (rollout.async_batches)
-            previous = stage.engine.version
+            previous, held = stage.engine.version, stage.held  # held: as the schedule left it
             got, error = attempt(records)
             if error is None and previous is not None and previous != version \
                     and previous in stage.store.versions():
                 _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
         if error is not None:
-            stage.failed_with(stage.held)  # the version rollouts were using, not the eval's
+            stage.failed_with(held)  # the version rollouts were using, not the eval's
         return error, got or []
 
     def close(self) -> None:
