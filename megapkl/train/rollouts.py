@@ -185,18 +185,17 @@ class RolloutStage:
             raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
                                "versions at once; raise rollout.snapshot_pool")
 
-    def use_version(self, version: int, timers: Optional[Timers] = None) -> bool:
+    def use_version(self, version: int, timers: Optional[Timers] = None) -> None:
         """Give this leader's engine `version` from the store (nothing if it holds it): a
-        reference to the stored file, which the engine reads, never a copy of the weights.
-        True if it loaded."""
+        reference to the stored file, which the engine reads, never a copy of the weights."""
         if self.engine.version == version:
-            return False
+            return
         with (timers or self.timers)("sync"):
             self.engine.update_weights(self.store.get(version), version)
-        return True
 
     def load_metrics(self) -> dict[str, float]:
-        """Versions this replica's engine loaded for the current batch."""
+        """Versions this replica's engine switched to for the current batch, counted from the one
+        the previous batch left it at (an evaluation or generation ahead may load more)."""
         return {"rollout/versions_loaded": float(self.versions_loaded)} if self.leader else {}
 
     # ------------------------------------------------------------------ batches
@@ -274,22 +273,25 @@ class RolloutStage:
 
     def _unit_here(self, key: tuple) -> "list[list[Sample]] | RankError":
         """The leader's part of `_generate`: the unit `key` (batch, round, todo), generated ahead
-        if it was (rollout.async_batches), else here; its time and loads go to this batch."""
+        if it was (rollout.async_batches), else here; its time goes to this batch. The versions it
+        switches to are counted from the one the previous unit used left (`_held`): what the
+        synchronous run loads, however the engine was used in between."""
         got = None
         if self.ahead is not None:
             with self.timers("wait"):
                 got = self.producer.take(key) if self.producer is not None else None
-        groups, error, loads, held, timers = got or self._work(key)
+        groups, error, timers = got or self._work(key)
         self.timers.absorb(timers)
         if error is not None:
             return error
-        self.versions_loaded += loads
-        self._held = held
+        order = _load_order(key[2], self._held)
+        self.versions_loaded += sum(a != b for a, b in zip([self._held, *order], order))
+        self._held = order[-1]
         return groups
 
     def _work(self, key: tuple) -> tuple:
-        """(groups, error, versions loaded, engine version after, its timers) of one unit, with
-        the engine held; a pure function of `key` (seeded sampling at the named versions)."""
+        """(groups, error, its timers) of one unit, with the engine held; the groups are a pure
+        function of `key` (seeded sampling at the named versions)."""
         batch, rnd, todo = key
         timers = Timers()
 
@@ -298,10 +300,8 @@ class RolloutStage:
                 self.engine.new_batch()  # the answered-groups store follows the batch
             return self._generate_here(batch, rnd, todo, timers)
         with self._engine_lock:
-            got, error = attempt(run)
-            held = self.engine.version
-        groups, loads = got or (None, 0)
-        return groups, error, loads, held, timers
+            groups, error = attempt(run)
+        return groups, error, timers
 
     def _plan_ahead(self, batch: int) -> None:
         """After batch `batch`: the first draw of each of the next `ahead.batches` batches, as the
@@ -323,13 +323,12 @@ class RolloutStage:
         self.producer.plan(keys)
 
     def _generate_here(self, batch: int, rnd: int, todo: Sequence[tuple[int, int, int]],
-                       timers: Timers) -> tuple[list[list[Sample]], int]:
-        """Run the engine at each scheduled version: (samples per group, versions loaded)."""
+                       timers: Timers) -> list[list[Sample]]:
+        """Run the engine at each scheduled version: samples per group."""
         groups: dict[int, list[Sample]] = {}
-        held, loads = self.engine.version, 0  # first: a refill round starts without a reload
-        for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
+        for version in _load_order(todo, self.engine.version):
             part = [(i, slot) for i, slot, v in todo if v == version]
-            loads += self.use_version(version, timers)
+            self.use_version(version, timers)
             seed = mix64_int(mix64_int(mix64_int(self.seed) + batch) + rnd * 7919 + version) >> 1
             sampling = dataclasses.replace(self.sampling, seed=seed)
             with timers("generate"):
@@ -341,7 +340,7 @@ class RolloutStage:
                 members = samples[j * self.group_size:(j + 1) * self.group_size]
                 self._label(members, batch, rnd, slot)
                 groups[slot] = members
-        return [groups[slot] for _, slot, _ in todo], loads
+        return [groups[slot] for _, slot, _ in todo]
 
     def _label(self, members: list[Sample], batch: int, rnd: int, slot: int) -> None:
         """Global uid and group id: unique over batches, refill rounds and DP ranks."""
@@ -404,6 +403,12 @@ class RolloutStage:
             close = getattr(part, "close", None)
             if close is not None:
                 close()
+
+
+def _load_order(todo: Sequence[tuple[int, int, int]], held: Optional[int]) -> list[int]:
+    """The versions of a unit in the order the engine takes them: the one it holds first (a refill
+    round starts without a reload), then ascending."""
+    return sorted({v for _, _, v in todo}, key=lambda v: (v != held, v))
 
 
 def _constant(members: Sequence[Sample]) -> bool:

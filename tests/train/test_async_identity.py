@@ -119,3 +119,11 @@ def test_async_resume_with_queued_batches(cluster, dist_run, tmp_path):
                                                      f"checkpoint.dir={tmp_path}/resumed/ckpt"])
     assert [r["step"] for r in resumed] == [4, 5]
     assert result(resumed) == result(full)[4:]
+
+
+def test_async_equals_sync_with_refill_rounds(cluster, dist_run, tmp_path):
+    """Dynamic sampling draws refill rounds: the forecast of the next batch's prompts is then
+    wrong, the units generated ahead for it are dropped and the trainer generates them itself."""
+    check_identity(dist_run, tmp_path, [*PROTOCOLS["uniform_stale"], *servers(cluster, False),
+                                        "advantage.filter_constant_groups=true",
+                                        "advantage.max_fill_rounds=8"])
