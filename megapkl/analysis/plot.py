@@ -4,7 +4,8 @@ One PNG per metric (accuracy, reward, entropy, grad norm, IS statistics, ...), e
 raw values faint behind the smoothed curve (EMA alpha 0.1 by default, SPEC 11), plus one
 `overview.png` grid with the main panels. Evaluation results (`eval/<benchmark>/<metric>` from
 in-training evaluation) are drawn against the number of updates applied (`eval/version`), one PNG
-each, plus `eval_overview.png`.
+each, plus `eval_overview.png`. Each run with timing rows also gets `timeline_<run>.png`:
+generation and training per update on a time axis (megapkl.analysis.timeline).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from megapkl.analysis.timeline import plot_timeline
 from megapkl.train.metrics_log import read_metrics
 
 DEFAULT_METRICS = ("train/accuracy", "reward/mean", "entropy", "grad_norm", "is/w_mean", "is/w_max",
@@ -88,6 +90,9 @@ def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: flo
     for name, main in (("overview.png", present[:6]), ("eval_overview.png", _eval_main(evals))):
         if main:
             written.append(_grid(runs, main, alpha, out / name))
+    for label, rows in runs:
+        timeline = plot_timeline(rows, out / f"timeline_{label}.png", f"{label}: timeline")
+        written += [timeline] if timeline else []
     return written
 
 

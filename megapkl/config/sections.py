@@ -299,6 +299,10 @@ class RolloutConfig:
     fp8: bool = False  # block-FP8 weight rollouts (PKL B.2); embedded: dequantized FP8 weights
     kv_cache_dtype: Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2"] = "auto"  # auto: engine dtype
     topk_logprobs: Optional[int] = field(default=None, metadata=rng(0))  # SIS; unset: sis.top_k
+    # Asynchronous rollouts: up to this many upcoming batches are generated (each with exactly the
+    # policy version the schedule names, once it is published) while the trainer trains; 0 is
+    # synchronous. The result is the synchronous run's. Needs servers off the trainer's GPUs.
+    async_batches: int = field(default=0, metadata=rng(0))
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def check(self, err) -> None:
@@ -309,6 +313,10 @@ class RolloutConfig:
             err(f"must divide rollout.prompts_per_batch ({self.prompts_per_batch}) so that every "
                 f"optimizer minibatch holds whole prompt groups", "minibatches_per_batch",
                 "prompts_per_batch")
+        if self.async_batches and (self.engine != "sglang" or self.sglang.colocate):
+            err("generating while the trainer trains needs an engine off the trainer's process and "
+                "GPUs: rollout.engine: sglang with rollout.sglang.colocate: false (or set 0)",
+                "async_batches", "engine", "sglang.colocate")
         if self.kv_cache_dtype.startswith("fp8") and self.engine != "sglang":
             err(f"{self.kv_cache_dtype} KV cache needs rollout.engine: sglang", "kv_cache_dtype",
                 "engine")

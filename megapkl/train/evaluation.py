@@ -65,18 +65,19 @@ class Evaluator:
         stage.remember(version, self.export)  # collective: into the store, as rollouts get it
         if stage.engine is None:
             return None, []
-        previous = stage.engine.version
 
         def records() -> list:
             stage.use_version(version)
             return evaluate(stage.engine, self.benchmarks, self.cfg, self.rollout_cfg,
                             step=version, seed=self.seed, scoring=self.scoring, share=self.dp)
-        got, error = attempt(records)
-        if error is None and previous is not None and previous != version \
-                and previous in stage.store.versions():
-            _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
+        with stage.exclusive():  # between generations ahead of training (rollout.async_batches)
+            previous, held = stage.engine.version, stage.held  # held: as the schedule left it
+            got, error = attempt(records)
+            if error is None and previous is not None and previous != version \
+                    and previous in stage.store.versions():
+                _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
         if error is not None:
-            stage.failed_with(previous)  # the version rollouts were using, not the eval's
+            stage.failed_with(held)  # the version rollouts were using, not the eval's
         return error, got or []
 
     def close(self) -> None:

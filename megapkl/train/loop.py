@@ -96,7 +96,8 @@ class Trainer:
         self.learner = Learner(cfg, g)
         replica = Replica.of(g)
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
-            cfg, self.learner.spec, replica, self.timers, context.hold), what="starting the rollouts")
+            cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule),
+            what="starting the rollouts")
         self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
         self.checkpoints = ckpt.CheckpointManager(cfg, {
             "learner": self.learner, "rollouts": self.rollouts, "loop": self.loop},

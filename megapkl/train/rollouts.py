@@ -12,10 +12,17 @@ without holding them in host memory.
 Whatever fails on a replica leader (the engine, a version file, a weight update, the server's
 answer, the reward function) is agreed over the data-parallel ranks (`megapkl.train.agree`):
 every rank raises the same RanksFailed, with the stage back at the start of the batch.
+
+Under rollout.async_batches a leader's producer thread (train/producer.py) generates the next
+batches' first draws while the trainer trains: each a unit of work (batch, round, [(prompt, slot,
+version)]) whose result is a pure function of its key, taken by `_generate` only for exactly the key
+the synchronous run would generate (docs/async.md).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -29,6 +36,7 @@ from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
 from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import RankError, RanksFailed, agree, agreed, attempt, feed
+from megapkl.train.producer import Producer
 from megapkl.train.timers import Timers
 
 MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group ids of refill rounds
@@ -51,10 +59,21 @@ class Replica:
         return cls(g.dp_rank, g.dp_size, leader, replica_group(g), g.dp)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """Asynchronous rollouts (rollout.async_batches): how many batches to generate ahead, the
+    behavior version of each group of a batch (the schedule's) and the run's number of batches."""
+    batches: int
+    versions_of: Callable[[int], Sequence[int]]
+    total: int
+
+
 def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[Timers] = None,
-                        hold: Callable[[Any], Any] = lambda x: x) -> "RolloutStage":
+                        hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None
+                        ) -> "RolloutStage":
     """The stage of a run config: tokenizer and prompts (data), reward, version store and, on a
-    replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists."""
+    replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists.
+    `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
 
@@ -73,18 +92,22 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
         engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=cfg.model.routing_replay)
+    ahead = None
+    if r.async_batches and schedule is not None:
+        ahead = Ahead(r.async_batches, schedule.group_versions,
+                      -(-cfg.train.steps // r.minibatches_per_batch))
     return RolloutStage(r, cfg.advantage, data=cfg.data, correct=cfg.reward.correct, seed=cfg.seed,
                         tokenizer=tokenizer,
                         dataset=dataset, reward=reward, store=store, engine=engine,
-                        sampling=sampling, replica=replica, timers=timers)
+                        sampling=sampling, replica=replica, timers=timers, ahead=ahead)
 
 
 class RolloutStage:
     def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
                  tokenizer: Any,
                  dataset: Any, reward: Any, store: VersionStore, engine: Any,
-                 sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None
-                 ) -> None:
+                 sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None,
+                 ahead: Optional[Ahead] = None) -> None:
         from megapkl.rollout.data import PromptIterator
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
@@ -105,10 +128,26 @@ class RolloutStage:
         # After a failed batch or evaluation, the version a checkpoint records as the engine's:
         # the one it held before (None: the next batch loads what it needs).
         self._failed, self._version_before_failure = False, None
+        # Generation ahead (leader only): the engine does one unit of work at a time; `_held` is
+        # the version the engine held after the last unit a batch used (what a checkpoint records).
+        self.ahead = ahead if replica.leader else None
+        self.producer: Optional[Producer] = None
+        self._engine_lock, self._held = threading.Lock(), None
 
     @property
     def leader(self) -> bool:
         return self.replica.leader
+
+    @property
+    def held(self) -> Optional[int]:
+        """The engine's version as the rollout schedule left it (generation ahead aside)."""
+        if self.engine is None:
+            return None
+        return self._held if self.ahead else self.engine.version
+
+    def exclusive(self) -> threading.Lock:
+        """Hold the engine between generations (an evaluation pushes its own weights)."""
+        return self._engine_lock
 
     # ------------------------------------------------------------------ weights
 
@@ -128,6 +167,8 @@ class RolloutStage:
             error = feed(export(), write)
             agree(error, what="saving the policy version")
         self.kept.add(version)
+        if self.producer is not None:
+            self.producer.published()
 
     def drop(self, version: int) -> None:
         """`version` is not needed (an evaluation wrote it; no batch is generated from it)."""
@@ -144,17 +185,17 @@ class RolloutStage:
             raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
                                "versions at once; raise rollout.snapshot_pool")
 
-    def use_version(self, version: int) -> None:
+    def use_version(self, version: int, timers: Optional[Timers] = None) -> None:
         """Give this leader's engine `version` from the store (nothing if it holds it): a
         reference to the stored file, which the engine reads, never a copy of the weights."""
         if self.engine.version == version:
             return
-        with self.timers("sync"):
+        with (timers or self.timers)("sync"):
             self.engine.update_weights(self.store.get(version), version)
-        self.versions_loaded += 1
 
     def load_metrics(self) -> dict[str, float]:
-        """Versions this replica's engine loaded for the current batch."""
+        """Versions this replica's engine switched to for the current batch, counted from the one
+        the previous batch left it at (an evaluation or generation ahead may load more)."""
         return {"rollout/versions_loaded": float(self.versions_loaded)} if self.leader else {}
 
     # ------------------------------------------------------------------ batches
@@ -164,13 +205,15 @@ class RolloutStage:
         advantages (Sample.advantage). Collective; on a failure anywhere, RanksFailed on every
         rank with the rollout state as it was before the batch (a checkpoint taken then is the one
         of the last finished update, and a resume regenerates the batch exactly)."""
-        prompts, held = self.prompts.state_dict(), self.engine.version if self.leader else None
-        if self.leader:
-            self.engine.new_batch()
+        prompts, held = self.prompts.state_dict(), self.held
         self.versions_loaded = 0
         try:
-            return self._collect(batch, group_versions)
+            samples = self._collect(batch, group_versions)
+            self._plan_ahead(batch)
+            return samples
         except RanksFailed:
+            if self.producer is not None:  # the run stops: no more generation ahead
+                self.producer.stop()
             if self.leader:  # what this rank's engine answered is there for the resumed run
                 self.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
@@ -220,27 +263,78 @@ class RolloutStage:
         left alone in a collective."""
         out: list[Any] = [None]
         if self.leader:
-            groups, error = attempt(lambda: self._generate_here(batch, rnd, todo))
-            out = [error or groups]
+            out = [self._unit_here((batch, rnd, tuple(todo)))]
         g = self.replica.group
         if g is not None and dist.get_world_size(g) > 1:
             dist.broadcast_object_list(out, src=dist.get_global_rank(g, 0), group=g)
         return out[0]
 
-    def _generate_here(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]
-                       ) -> list[list[Sample]]:
-        """The leader's part of `_generate`: run the engine at each scheduled version."""
+    # ------------------------------------------------------------------ units of work (leader)
+
+    def _unit_here(self, key: tuple) -> "list[list[Sample]] | RankError":
+        """The leader's part of `_generate`: the unit `key` (batch, round, todo), generated ahead
+        if it was (rollout.async_batches), else here; its time goes to this batch. The versions it
+        switches to are counted from the one the previous unit used left (`_held`): what the
+        synchronous run loads, however the engine was used in between."""
+        got = None
+        if self.ahead is not None:
+            with self.timers("wait"):
+                got = self.producer.take(key) if self.producer is not None else None
+        groups, error, timers = got or self._work(key)
+        self.timers.absorb(timers)
+        if error is not None:
+            return error
+        order = _load_order(key[2], self._held)
+        self.versions_loaded += sum(a != b for a, b in zip([self._held, *order], order))
+        self._held = order[-1]
+        return groups
+
+    def _work(self, key: tuple) -> tuple:
+        """(groups, error, its timers) of one unit, with the engine held; the groups are a pure
+        function of `key` (seeded sampling at the named versions)."""
+        batch, rnd, todo = key
+        timers = Timers()
+
+        def run():
+            if rnd == 0:
+                self.engine.new_batch()  # the answered-groups store follows the batch
+            return self._generate_here(batch, rnd, todo, timers)
+        with self._engine_lock:
+            groups, error = attempt(run)
+        return groups, error, timers
+
+    def _plan_ahead(self, batch: int) -> None:
+        """After batch `batch`: the first draw of each of the next `ahead.batches` batches, as the
+        prompt iterator and the schedule name them, for the producer (started here, after a resume
+        has loaded the engine's version)."""
+        if self.ahead is None:
+            return
+        if self.producer is None:
+            self.producer = Producer(self._work, ready=lambda k: all(
+                v in self.kept for _, _, v in k[2]), failed=lambda r: r[1] is not None)
+        prompts, keys = copy.deepcopy(self.prompts), []
+        r = self.replica
+        for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):
+            idx, versions = prompts.next_indices(self.rollout.prompts_per_batch), \
+                self.ahead.versions_of(b)
+            keys.append((b, 0, tuple((idx[g], g, versions[g]) for g in
+                                     range(r.dp_rank * self.per_rank,
+                                           (r.dp_rank + 1) * self.per_rank))))
+        self.producer.plan(keys)
+
+    def _generate_here(self, batch: int, rnd: int, todo: Sequence[tuple[int, int, int]],
+                       timers: Timers) -> list[list[Sample]]:
+        """Run the engine at each scheduled version: samples per group."""
         groups: dict[int, list[Sample]] = {}
-        held = self.engine.version  # first: a refill round starts without a reload
-        for version in sorted({v for _, _, v in todo}, key=lambda v: (v != held, v)):
+        for version in _load_order(todo, self.engine.version):
             part = [(i, slot) for i, slot, v in todo if v == version]
-            self.use_version(version)
+            self.use_version(version, timers)
             seed = mix64_int(mix64_int(mix64_int(self.seed) + batch) + rnd * 7919 + version) >> 1
             sampling = dataclasses.replace(self.sampling, seed=seed)
-            with self.timers("generate"):
+            with timers("generate"):
                 samples = self.engine.generate([self.dataset[i] for i, _ in part],
                                                self.group_size, sampling)
-            with self.timers("reward"):
+            with timers("reward"):
                 self.reward(samples)
             for j, (_, slot) in enumerate(part):
                 members = samples[j * self.group_size:(j + 1) * self.group_size]
@@ -267,7 +361,7 @@ class RolloutStage:
 
     def state_dict(self) -> dict:
         """The prompt iterator and the engine's version (rank 0's are every engine's)."""
-        held = self.engine.version if self.leader else None
+        held = self.held
         if self._failed:  # after a failure: the version before the batch or evaluation
             held = self._version_before_failure
         return {"prompts": self.prompts.state_dict(), "engine_version": held}
@@ -280,6 +374,7 @@ class RolloutStage:
         if v is not None:
             agreed(lambda: self.use_version(v) if self.leader else None,
                    what=f"loading policy version {v} into the engines")
+            self._held = v
 
     def save_files(self, checkpoint: Path) -> None:
         """The versions are referenced by the checkpoint (hard links under
@@ -300,11 +395,20 @@ class RolloutStage:
         self.kept = set(saved)
 
     def close(self) -> None:
-        """The engine (launched servers stop with the run) and the reward's worker."""
+        """The generation ahead, the engine (launched servers stop with the run) and the
+        reward's worker."""
+        if self.producer is not None:
+            self.producer.stop()
         for part in (self.engine, self.reward):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
+
+
+def _load_order(todo: Sequence[tuple[int, int, int]], held: Optional[int]) -> list[int]:
+    """The versions of a unit in the order the engine takes them: the one it holds first (a refill
+    round starts without a reload), then ascending."""
+    return sorted({v for _, _, v in todo}, key=lambda v: (v != held, v))
 
 
 def _constant(members: Sequence[Sample]) -> bool:

@@ -51,6 +51,7 @@ class Schedule:
     reference_mode: str = "snapshot"
     reference_every: Optional[int] = None  # L
     seed: int = 0
+    lookahead: int = 1                 # batches whose versions the pool keeps ahead of use
 
     @classmethod
     def from_config(cls, cfg) -> "Schedule":
@@ -59,7 +60,8 @@ class Schedule:
         return cls(protocol=r.protocol, minibatches=r.minibatches_per_batch,
                    groups_per_batch=r.prompts_per_batch, refresh_every=r.refresh_every or 1,
                    max_staleness=r.max_staleness or 0, reference_mode=cfg.reference.mode,
-                   reference_every=cfg.reference.refresh_every, seed=cfg.seed)
+                   reference_every=cfg.reference.refresh_every, seed=cfg.seed,
+                   lookahead=max(1, r.async_batches))
 
     def batch_start(self, batch: int) -> int:
         return batch * self.minibatches
@@ -104,5 +106,6 @@ class Schedule:
         versions = list(plan.group_versions)
         if plan.reference_version is not None:
             versions.append(plan.reference_version)
-        nxt = self.group_versions(plan.batch + 1)  # the next batch may be generated early
-        return min(versions + list(nxt))
+        for ahead in range(1, self.lookahead + 1):  # the next batches may be generated early
+            versions += self.group_versions(plan.batch + ahead)
+        return min(versions)

@@ -84,7 +84,15 @@ def _rows(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_run, tmp_path):
+# Generation ahead of training (rollout.async_batches): the engine dies while the next batches are
+# being generated; the failed batch takes the same outage path, and the resumed run equals the
+# synchronous reference.
+ASYNC = ["rollout.sglang.colocate=false", "rollout.async_batches=2"]
+
+
+@pytest.mark.parametrize("ahead", [[], ASYNC], ids=["sync", "async"])
+def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(ahead, dist_run,
+                                                                          tmp_path):
     from megapkl.cli import describe
 
     with two_serve_workers(tmp_path) as workers:
@@ -95,7 +103,7 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         run, stop = tmp_path / "run", tmp_path / "stop"
         watcher = _touch_after(stop, run, rows=2)
         with pytest.raises(WorkerError) as info:
-            dist_run(_rank, 2, _cfgs(run, urls, doomed=stop), timeout=300)
+            dist_run(_rank, 2, _cfgs(run, urls, *ahead, doomed=stop), timeout=300)
         watcher.join(timeout=60)
         line = describe(info.value)  # what `megapkl train` prints after "megapkl: error: "
         assert "\n" not in line and "EnginesStopped" in line, line
@@ -112,7 +120,7 @@ def test_engine_outage_on_one_rank_checkpoints_stops_and_resumes_exactly(dist_ru
         assert [p.name for p in (run / "checkpoints").iterdir()] == [saved.name]
 
         # Rank 1's engine on a working server again; the run continues from the outage checkpoint.
-        dist_run(_rank, 2, _cfgs(run, urls, "checkpoint.resume=true"), timeout=300)
+        dist_run(_rank, 2, _cfgs(run, urls, *ahead, "checkpoint.resume=true"), timeout=300)
         got, want = read_metrics(run), read_metrics(ref)
         assert [r["step"] for r in got] == list(range(STEPS))
         assert comparable(got) == comparable(want)

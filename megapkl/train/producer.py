@@ -1,0 +1,90 @@
+"""Generation ahead of training (rollout.async_batches), on a replica leader.
+
+The rollout stage names the units of work the coming batches will ask for -- (batch, draw round,
+[(dataset index, group slot, policy version)]) -- as soon as it can know them (after a batch's
+last draw, the prompt iterator says which prompts the next batches draw). A thread works through
+them in order, each as soon as every version it names is published, while the trainer trains; the
+stage takes a unit's result when its batch comes. A unit is a pure function of its key (seeded
+sampling at exactly the named versions), so a result taken from here is the one the synchronous run
+computes; a key nobody asked for (the forecast was wrong: a batch drew refill rounds) is dropped,
+and the stage generates what it needs itself.
+
+The engine does one unit at a time (the stage's engine lock, which an evaluation holds too): the
+weights a unit loads are pushed between generations, never during one, so no request mixes versions.
+A failed unit stops the thread; its error reaches the trainer when that batch is taken.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Hashable, Iterable, Optional
+
+Key = Hashable
+
+
+class Producer:
+    """`work(key)` -> result (never raises: failures are part of the result, `failed(result)`
+    says so); `ready(key)` -> can the unit start (its versions published)."""
+
+    def __init__(self, work: Callable[[Key], Any], ready: Callable[[Key], bool],
+                 failed: Callable[[Any], bool]) -> None:
+        self._work, self._ready, self._failed_result = work, ready, failed
+        self._cond = threading.Condition()
+        self._plan: list[Key] = []        # wanted and not started, in order
+        self._busy: Optional[Key] = None  # in progress
+        self._done: dict[Key, Any] = {}   # finished, not yet taken
+        self._stopped = self._failed = False
+        self._thread = threading.Thread(target=self._loop, name="megapkl-rollout-producer",
+                                        daemon=True)
+        self._thread.start()
+
+    def plan(self, keys: Iterable[Key]) -> None:
+        """The units the coming batches will ask for, in order (replaces the previous plan)."""
+        keys = list(keys)
+        with self._cond:
+            self._plan = [k for k in keys if k not in self._done and k != self._busy]
+            wanted = set(keys)
+            self._done = {k: r for k, r in self._done.items() if k in wanted}
+            self._cond.notify_all()
+
+    def published(self) -> None:
+        """A version was published: a waiting unit may start."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def take(self, key: Key) -> Optional[Any]:
+        """The result of `key` (waiting while it is in progress or next and startable), or None
+        when it was not planned or cannot start: the caller generates it. Forgets what the plan
+        held before `key`."""
+        with self._cond:
+            if key in self._plan:
+                del self._plan[: self._plan.index(key)]
+            while key not in self._done and not self._stopped and (
+                    self._busy == key or (self._plan[:1] == [key] and not self._failed
+                                          and self._ready(key))):
+                self._cond.wait()
+            if key in self._done:
+                return self._done.pop(key)
+            self._plan.clear()
+            return None
+
+    def stop(self, timeout: float = 60.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not (
+                        self._plan and not self._failed and self._ready(self._plan[0])):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                key = self._busy = self._plan.pop(0)
+            result = self._work(key)
+            with self._cond:
+                self._busy = None
+                self._done[key] = result
+                self._failed = self._failed or self._failed_result(result)
+                self._cond.notify_all()
