@@ -5,7 +5,7 @@
     hf_mapping.py  megatron <-> Hugging Face names, shards and fused layouts (pure)
     hf.py          load a HF checkpoint into the sharded model; streamed HF export
     optimizer.py   DDP + distributed Adam, clipping, LR schedule
-    replay.py      R3 routing replay through megatron's RouterReplay
+    routing_probe  the routers' top-k of each forward (R3 replay lives in megapkl.parallel.replay)
     checkpoint.py  reshardable distributed checkpoints (model, optimizer, scheduler, RNG)
     snapshot.py    frozen weight copies swapped in for forward passes
 

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from megapkl.models.chunks import model_chunks
+from megapkl.parallel.chunks import model_chunks
 
 # Model-space optimizer tensors without per-sub-optimizer key prefixes: loadable whatever the
 # layout and however many sub-optimizers (dense / expert) the loading side has.

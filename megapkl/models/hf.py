@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megapkl.errors import MegapklError
-from megapkl.models.chunks import model_chunks
+from megapkl.parallel.chunks import model_chunks
 from megapkl.models import hf_mapping as hm
 from megapkl.models.spec import ModelSpec, SpecError, hf_config_dict, spec_from_hf_config
 from megapkl.parallel.groups import group_device

@@ -30,7 +30,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from megapkl.models.chunks import unwrap  # noqa: F401  (re-exported: provider.unwrap)
+from megapkl.parallel.chunks import unwrap  # noqa: F401  (re-exported: provider.unwrap)
 
 from megapkl.models.spec import ModelSpec, SpecError, check_layout
 

@@ -12,7 +12,7 @@ returns the default choice when there is none or it has no action). The forward'
 unchanged: with replay on they still follow the replayed experts.
 
 Recorded rows are megatron's router rows: this rank's (CP/SP-local) tokens, sequence-major
-(`megapkl.models.replay` describes the layout); one [rows, top_k] tensor per forward call.
+(`megapkl.parallel.replay` describes the layout); one [rows, top_k] tensor per forward call.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megapkl.models.replay import moe_routers
+from megapkl.parallel.replay import moe_routers
 
 
 class _Probe:
@@ -61,7 +61,7 @@ def _check_router(layer: int, router: Any) -> None:
 def own_routing(model: Any) -> Iterator[list]:
     """Forward passes inside record each router's own top-k choice. The yielded list is filled on
     exit with, per forward call (micro-batch, in order), one [rows, top_k] int32 tensor per local
-    MoE layer in layer order (`megapkl.models.replay.moe_routers`). Empty for a dense model."""
+    MoE layer in layer order (`megapkl.parallel.replay.moe_routers`). Empty for a dense model."""
     routers = moe_routers(model)
     for layer, router in routers:
         _check_router(layer, router)

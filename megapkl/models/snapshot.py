@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megapkl.models.chunks import model_chunks
+from megapkl.parallel.chunks import model_chunks
 
 
 

@@ -87,7 +87,7 @@ class MicroBatch:
     cp_rank: int = 0
     cp_size: int = 1
     # [b, S, L, k] experts to replay over the FULL sequence (R3), or None. Not CP-sharded here:
-    # megapkl.models.replay slices it for the rank's CP chunks, TP/SP part and PP layers.
+    # megapkl.parallel.replay slices it for the rank's CP chunks, TP/SP part and PP layers.
     routed: Optional[Tensor] = None
     # THD packing (`pack_thd`): the micro-batch is ONE row holding every response back to back,
     # each padded to a multiple of 2*cp. cu_seqlens_padded [n+1] int32 are the segment bounds in
@@ -462,7 +462,7 @@ def _shard_thd(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
 
 def thd_routed_for_replay(routed: Tensor, cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
     """The packed row's [1, S, ...] replay targets reordered so that the BSHD slicing done by
-    `megapkl.models.replay` (chunks r and 2cp-1-r of the whole row) yields, on every CP rank r,
+    `megapkl.parallel.replay` (chunks r and 2cp-1-r of the whole row) yields, on every CP rank r,
     exactly the THD-local tokens `thd_cp_index(cu_seqlens_padded, r, cp)` in order."""
     if cp_size == 1:
         return routed

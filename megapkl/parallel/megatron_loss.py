@@ -163,7 +163,7 @@ def _forward(model, mb: MicroBatch, groups: Optional[ParallelGroups] = None) -> 
         kwargs["packed_seq_params"] = thd_packed_seq_params(mb, groups.cp if groups is not None else None)
     if mb.routed is None:
         return model(mb.tokens, mb.position_ids, attention_mask=None, **kwargs)
-    from megapkl.models.replay import replaying  # R3: the rollout's experts, this micro-batch
+    from megapkl.parallel.replay import replaying  # R3: the rollout's experts, this micro-batch
 
     with replaying(model, mb.routed, groups=groups):
         return model(mb.tokens, mb.position_ids, attention_mask=None, **kwargs)

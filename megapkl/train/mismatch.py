@@ -166,7 +166,7 @@ def rank_routing_rows(micro_batches, own: list, layers: Sequence[int], num_layer
     """(differs [rows, num_layers] float64 with this rank's MoE `layers` filled, counted [rows]
     bool) over the micro-batches carrying engine routing (`mb.routed`); `own` is what
     `Learner.own_routing` recorded for the same micro-batches (one entry per micro-batch)."""
-    from megapkl.models.replay import local_replay_indices
+    from megapkl.parallel.replay import local_replay_indices
 
     if len(own) != len(micro_batches):
         raise ValueError(f"trainer routing recorded for {len(own)} micro-batches, "
@@ -255,7 +255,7 @@ def exact_version_metrics(learner, minibatch, micro_batches, version: int, *,
 
 def _routing(learner, micro_batches, own: list, fresh: list) -> Tensor:
     """The global routing parts of this update's fresh samples (collective over the world)."""
-    from megapkl.models.replay import moe_layer_ordinals
+    from megapkl.parallel.replay import moe_layer_ordinals
 
     sp = bool(learner.cfg.parallel.sequence_parallel) and learner.groups.tp_size > 1
     uids = torch.tensor([s.uid for s in fresh if s.routed_experts is not None], dtype=torch.int64)

@@ -92,7 +92,7 @@ def _gather_seq(x, groups, sp):
 
 
 def _r3_worker(rank, world_size, ckpt, layout, routed):
-    from megapkl.models import replay
+    from megapkl.parallel import replay
 
     groups, model = build_loaded(ckpt.path, ckpt.name, routing_replay=True, **layout)
     sp = bool(layout.get("sp"))
@@ -163,7 +163,7 @@ def test_routing_replay(dist_run, moe_ckpt, layout):
 
 
 def test_local_replay_indices_layouts():
-    from megapkl.models.replay import cp_slice, local_replay_indices, to_token_layout
+    from megapkl.parallel.replay import cp_slice, local_replay_indices, to_token_layout
 
     b, s, layers, k = 2, 8, 3, 2
     routed = torch.arange(b * s * layers * k).reshape(b, s, layers, k)
@@ -183,7 +183,7 @@ def test_local_replay_indices_layouts():
 
 
 def _replay_off(rank, world_size, ckpt):
-    from megapkl.models import replay
+    from megapkl.parallel import replay
 
     _, model = build_loaded(ckpt.path, ckpt.name)
     try:

@@ -109,9 +109,9 @@ def test_thd_shift_after_sharding_would_pair_wrong_tokens():
 
 
 def test_thd_routed_experts_reach_replay_in_thd_order():
-    """megapkl.models.replay slices `routed` like a BSHD row; the THD shard stores it reordered so
+    """megapkl.parallel.replay slices `routed` like a BSHD row; the THD shard stores it reordered so
     that this slicing yields the rank's THD tokens."""
-    from megapkl.models.replay import cp_slice as replay_cp_slice
+    from megapkl.parallel.replay import cp_slice as replay_cp_slice
 
     rs = small_responses()
     rs = [dataclasses.replace(r, routed_experts=torch.randint(0, 8, (r.prompt_ids.numel() + r.response_len - 1, 2, 2)))

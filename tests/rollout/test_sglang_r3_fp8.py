@@ -36,7 +36,7 @@ EXPERT_GAIN = 8.0
 def r3_worker(rank, world, cfg):
     """Runs in a forked gloo rank: one batch from the SGLang engine, then the learner's log-probs
     of it replaying the wire's experts, routing on its own, and replaying wrong experts."""
-    from megapkl.models.chunks import model_chunks
+    from megapkl.parallel.chunks import model_chunks
     from megapkl.rollout.sglang.client import SGLangEngine
     from megapkl.train.loop import Trainer
     from megapkl.train.run_context import RunContext

@@ -25,7 +25,7 @@ def test_sets_not_order_and_counted_rows_only():
 
 
 def _perturb_routers(model, scale: float) -> None:
-    from megapkl.models.replay import moe_routers
+    from megapkl.parallel.replay import moe_routers
 
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():

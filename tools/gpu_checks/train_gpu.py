@@ -112,7 +112,7 @@ class Probe:
     model (a forward pre-hook on each chunk)."""
 
     def __init__(self, learner) -> None:
-        from megapkl.models.chunks import unwrap
+        from megapkl.parallel.chunks import unwrap
 
         self.step_s, self.tokens, self.devices = [], [], set()
         self.metrics: list[dict] = []
@@ -174,7 +174,7 @@ def flops_per_token(spec, seq_len: float) -> float:
 def recomputed_logprobs(learner, samples, temperature: float) -> list[torch.Tensor]:
     """log softmax(logits / T) at each response token: one plain forward of the model chunk per
     sample, the fp32 softmax over the full vocabulary (TP = 1)."""
-    from megapkl.models.chunks import unwrap
+    from megapkl.parallel.chunks import unwrap
 
     model, out = unwrap(learner.model[0]), []
     device = next(model.parameters()).device

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from megapkl.models.chunks import model_chunks
+from megapkl.parallel.chunks import model_chunks
 
 _ACTIONS = ("record", "replay", "replay_backward")
 
