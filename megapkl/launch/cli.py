@@ -78,6 +78,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("-p", "--profile", help="cluster profile (default: the config's slurm.profile)")
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the step "
                    "time (default 0.35)")
+    p.add_argument("--response-len", type=int, default=None, help="mean response length for "
+                   "the generation time (default: rollout.max_response_len, an upper bound)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="state of a job, run directory or sweep (no JOB: squeue)")
@@ -137,7 +139,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the planner's table; exit 1 when the run does not fit the profile's GPUs."""
     from megapkl.launch.plan import DEFAULT_MFU, plan_config
-    p = plan_config(args.config, args.profile, args.overrides, mfu=args.mfu or DEFAULT_MFU)
+    p = plan_config(args.config, args.profile, args.overrides, mfu=args.mfu or DEFAULT_MFU,
+                    response_len=args.response_len)
     print(p.table())
     return 0 if p.fits else EXIT_LAUNCH
 

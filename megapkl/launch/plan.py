@@ -27,6 +27,14 @@ FLOPs per update: 6 N T for the policy forward + backward plus 2 N T for each ex
 proximal reference and the initial model when their log-probs are recomputed), plus causal
 attention 6 L s h_attn per token (forward + backward), T = responses per update x (max prompt +
 max response) tokens, an upper bound. Step time = FLOPs / (GPUs x peak x MFU).
+
+Time per update (`update_times`): generation = decoded tokens of a batch (prompts x responses x
+the response length: max_response_len unless given, an upper bound) over the servers' GPUs at the
+profile's decode throughput, spread over the batch's updates; training = the step time. The
+synchronous update is their sum. The asynchronous one (rollout.async_batches, allowed only with the
+servers on GPUs of their own) comes from `overlapped_update_s`, which plays the schedule's
+versions through an engine lane and a trainer lane. Weight sync, rewards and refill rounds are
+left out.
 """
 from __future__ import annotations
 
@@ -35,6 +43,10 @@ from typing import Any, Optional
 
 GIB = 1024 ** 3
 DEFAULT_MFU = 0.35
+# SGLang decode tokens/s of one GPU over all its requests, when a GPU profile sets no
+# gpu_decode_tokens_per_s: Qwen3 1.7B-8B with FP8 weights and BF16 KV at 16K-token responses on
+# an H100 (KV-cache reads bound decoding at long context). An assumption: measure your own.
+DEFAULT_DECODE_TOKENS_PER_S = 1500.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +120,7 @@ class Plan:
     servers: str = ""  # the SGLang fleet, one line (empty without launched SGLang servers)
     engine_gib: float = 0.0  # one SGLang server's share of a GPU (mem_fraction_static)
     engine_weights_gib: float = 0.0  # the served weights per GPU of a server
+    times: Optional["UpdateTimes"] = None  # per-update time (None: no GPU profile or fleet)
 
     @property
     def fits(self) -> bool:
@@ -140,6 +153,8 @@ class Plan:
         lines.append(f"model FLOPs per update: {self.flops:.3e}")
         if self.step_s is not None:
             lines.append(f"step time at MFU {self.mfu:.2f}: {self.step_s:.1f} s")
+        if self.times is not None:
+            lines += self.times.lines()
         return "\n".join(lines)
 
 
@@ -206,7 +221,8 @@ def update_flops(cfg, spec) -> float:
     return tokens * (passes * n + attn)
 
 
-def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU) -> Plan:
+def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU,
+         response_len: Optional[int] = None) -> Plan:
     """The plan of a resolved run config on a cluster profile (None: no capacity to check)."""
     from megapkl.models.spec import spec_from_model_config
 
@@ -227,9 +243,120 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU) -> Plan:
     flops = update_flops(cfg, spec)
     peak = getattr(profile, "gpu_tflops", None) if profile is not None else None
     step = flops / (gpus * peak * 1e12 * mfu) if peak else None
+    servers = fleet_line(cfg)
+    times = (update_times(cfg, profile, step, response_len)
+             if step is not None and servers.startswith("SGLang: ") and "DOES NOT FIT" not in servers
+             else None)
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
                 flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
-                servers=fleet_line(cfg), **_engine_memory(cfg, spec, gpu))
+                servers=servers, times=times, **_engine_memory(cfg, spec, gpu))
+
+
+# ------------------------------------------------------------------ time per update
+
+
+@dataclasses.dataclass
+class UpdateTimes:
+    """Seconds per optimizer update (a batch's generation spread over its updates)."""
+    generate_s: float
+    train_s: float
+    sync_s: float  # generation + training
+    async_s: float  # with generation ahead where placement and protocol allow; else sync_s
+    tokens: int  # decoded tokens of one batch
+    batch: str  # 'prompts x responses per prompt'
+    minibatches: int  # updates per batch
+    response_len: int
+    response_len_is_max: bool  # max_response_len: an upper bound
+    gen_gpus: int
+    decode_tokens_per_s: float  # per GPU
+    decode_from_profile: bool
+    async_batches: int  # rollout.async_batches (0: the asynchronous time is what it would give)
+    ahead: tuple[int, int] = (0, 0)  # batches generated ahead, of a steady-state window
+    why_not: str = ""  # why nothing overlaps (placement)
+
+    def lines(self) -> list[str]:
+        length = (f"{self.response_len} tokens (max_response_len, an upper bound)"
+                  if self.response_len_is_max else f"{self.response_len} tokens (mean, given)")
+        source = ("profile gpu_decode_tokens_per_s" if self.decode_from_profile
+                  else "default; set the profile's gpu_decode_tokens_per_s")
+        per = f" / {self.minibatches} updates" if self.minibatches > 1 else ""
+        out = ["time per update (estimate; weight sync, rewards and refill rounds left out):",
+               f"  generation   {self.generate_s:8.1f} s  {self.batch} responses x {length}{per}",
+               f"  {'':<23}= {self.tokens:.3e} tokens on {self.gen_gpus} server GPUs at "
+               f"{self.decode_tokens_per_s:.0f} tokens/s each ({source})",
+               f"  training     {self.train_s:8.1f} s  (the step time above)",
+               f"  synchronous  {self.sync_s:8.1f} s  (generation + training)"]
+        if self.why_not:
+            out.append(f"  asynchronous {self.async_s:8.1f} s  = synchronous: {self.why_not}")
+            return out
+        when = (f"rollout.async_batches: {self.async_batches}" if self.async_batches
+                else "if rollout.async_batches were > 0")
+        out.append(f"  asynchronous {self.async_s:8.1f} s  ({when}; {self.ahead[0]} of "
+                   f"{self.ahead[1]} batches generated ahead; {self.sync_s / self.async_s:.2f}x)")
+        return out
+
+
+def overlapped_update_s(sched, gen_s: float, train_s: float) -> tuple[float, int, int]:
+    """(mean seconds per update, batches generated ahead, window) of the steady state when the
+    engine generates ahead: batch b starts once the engine is free and every version its groups
+    name is published (version v: when update v - 1 ends); its updates start once it is generated
+    and the previous update ended. `gen_s` is one batch's generation. The window is one refresh
+    period (16 batches otherwise), after a warm-up. With constant times one batch ahead already
+    reaches this mean, so the queue depth (rollout.async_batches) does not enter."""
+    import math
+
+    m = sched.minibatches
+    n = sched.refresh_every
+    window = n // math.gcd(n, m) if sched.protocol == "periodic_refresh" else 16
+    warm = window + sched.max_staleness // m + 1
+    update_end: dict[int, float] = {}
+    engine_free = trainer_free = 0.0
+    ahead = 0
+    for b in range(warm + window):
+        published = update_end.get(max(sched.group_versions(b)) - 1, 0.0)
+        start = max(engine_free, published)
+        ahead += b >= warm and start < trainer_free
+        engine_free = start + gen_s
+        t = max(engine_free, trainer_free)
+        for i in range(m):
+            t += train_s
+            update_end[b * m + i] = t
+        trainer_free = t
+    span = update_end[(warm + window) * m - 1] - update_end[warm * m - 1]
+    return span / (window * m), ahead, window
+
+
+def update_times(cfg, profile: Any, train_s: float,
+                 response_len: Optional[int] = None) -> UpdateTimes:
+    """Generation, training, synchronous and asynchronous seconds per update of `cfg` (a launched
+    SGLang fleet) on a GPU profile."""
+    from megapkl.train.schedule import Schedule
+
+    ro, sg = cfg.rollout, cfg.rollout.sglang
+    length = response_len or ro.max_response_len
+    tokens = ro.prompts_per_batch * ro.responses_per_prompt * length
+    dp = cfg.world_size // cfg.parallel.model_parallel_size
+    gen_gpus = dp * sg.num_engines * sg.tp  # colocated: the trainer's GPUs
+    given = getattr(profile, "gpu_decode_tokens_per_s", None)
+    tps = given or DEFAULT_DECODE_TOKENS_PER_S
+    gen_batch = tokens / (gen_gpus * tps)
+    m = ro.minibatches_per_batch
+    sync = (gen_batch + m * train_s) / m
+    times = UpdateTimes(
+        generate_s=gen_batch / m, train_s=train_s, sync_s=sync, async_s=sync, tokens=tokens,
+        batch=f"{ro.prompts_per_batch} x {ro.responses_per_prompt}", minibatches=m,
+        response_len=length, response_len_is_max=not response_len, gen_gpus=gen_gpus,
+        decode_tokens_per_s=tps, decode_from_profile=bool(given), async_batches=ro.async_batches)
+    if sg.colocate:  # rollout.async_batches is refused there
+        times.why_not = ("the servers share the trainer's GPUs (rollout.sglang.colocate: "
+                         "true; false gives them GPUs of their own)")
+        return times
+    times.async_s, ahead, window = overlapped_update_s(Schedule.from_config(cfg), gen_batch,
+                                                       train_s)
+    times.ahead = (ahead, window)
+    if not ahead:
+        times.why_not = f"{ro.protocol} waits for each batch's version"
+    return times
 
 
 def _engine_memory(cfg, spec, gpu: Optional[float]) -> dict[str, float]:
@@ -293,7 +420,7 @@ def check_fleet(cfg, source: str = "") -> str:
 
 
 def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
-                mfu: float = DEFAULT_MFU) -> Plan:
+                mfu: float = DEFAULT_MFU, response_len: Optional[int] = None) -> Plan:
     """Plan a run config file with a profile (default: its slurm.profile), the job shape filled in
     as `megapkl submit` does; without any profile, the layout alone (no fit verdict)."""
     from pathlib import Path
@@ -305,7 +432,7 @@ def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
     prep = prepare_run(config, overrides, cwd=Path.cwd())
     if not (profile or prep.cfg.slurm.profile):
         check_fleet(prep.cfg, prep.config_path)
-        return plan(prep.cfg, None, mfu)
+        return plan(prep.cfg, None, mfu, response_len)
     prep, prof = sub.settle_shape(config, overrides, profile, cwd=Path.cwd())
     check_fleet(prep.cfg, prep.config_path)
-    return plan(prep.cfg, prof, mfu)
+    return plan(prep.cfg, prof, mfu, response_len)

@@ -88,6 +88,11 @@ class ClusterProfile:
     # peak (TFLOP/s). Unset: the planner reports the estimate without a fit verdict.
     gpu_mem_gib: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
     gpu_tflops: Optional[float] = field(default=None, metadata=rng(0.0, lo_open=True))
+    # For `megapkl plan`'s generation time: SGLang decode throughput of one GPU, summed over all
+    # the requests it serves at once (tokens/s). Unset on a GPU profile: the planner's default
+    # (megapkl.launch.plan.DEFAULT_DECODE_TOKENS_PER_S). Set it from a measurement of your own.
+    gpu_decode_tokens_per_s: Optional[float] = field(default=None,
+                                                     metadata=rng(0.0, lo_open=True))
     # -- the job (defaults; a run config's slurm: section overrides them)
     nodes: int = field(default=1, metadata=rng(1))
     gpus_per_node: Optional[int] = field(default=None, metadata=rng(0))  # unset: node_gpus

@@ -167,3 +167,100 @@ def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_th
     assert not any("not released" in name for name, _ in launched.rows)
     assert ("colocated SGLang servers (memory not released)", engines) in named.rows
     assert abs(named.train_gib - launched.train_gib - engines) < 1e-6
+
+
+# ---- time per update: generation, training, synchronous and asynchronous
+
+PKL_1P7B = "configs/experiments/pkl_periodic/qwen3_1p7b_pkl.yaml"
+PKL_8B = "configs/experiments/pkl_periodic/qwen3_8b_pkl.yaml"
+BATCH_TOKENS = 32 * 8 * 16384  # prompts x responses x max_response_len of the PKL runs
+
+
+def test_shipped_gpu_profiles_state_a_decode_throughput():
+    from megapkl.launch.profile import load_profile
+
+    assert load_profile("h100").gpu_decode_tokens_per_s == 1500.0
+    assert load_profile("h200").gpu_decode_tokens_per_s == 2100.0
+    assert load_profile("local_cpu").gpu_decode_tokens_per_s is None
+
+
+def _schedule(protocol, **kw):
+    from megapkl.train.schedule import Schedule
+
+    return Schedule(protocol=protocol, groups_per_batch=32, **kw)
+
+
+@pytest.mark.parametrize("protocol,kw,gen,train,expect", [
+    # on-policy: every batch waits for the version its update makes
+    ("on_policy", {}, 3.0, 2.0, 5.0),
+    # periodic refresh N = 4: the first batch of a period waits (G + T), the N - 1 others overlap
+    ("periodic_refresh", {"refresh_every": 4}, 3.0, 2.0, (5.0 + 3 * 3.0) / 4),
+    ("periodic_refresh", {"refresh_every": 4}, 2.0, 3.0, (5.0 + 3 * 3.0) / 4),
+    ("periodic_refresh", {"refresh_every": 64}, 3.0, 2.0, (5.0 + 63 * 3.0) / 64),
+    # controlled staleness k = 4: every batch overlaps the previous one's training
+    ("controlled_staleness", {"max_staleness": 4}, 3.0, 2.0, 3.0),
+    ("controlled_staleness", {"max_staleness": 4}, 1.0, 2.0, 2.0),
+    # k = 1 with 4 minibatches of T = 1: batch b + 1 (version u - 1) can start only at the last
+    # update of batch b, so 3 of its 4 s of generation overlap 1 s of training: 4 T + 2 per batch
+    ("controlled_staleness", {"max_staleness": 1, "minibatches": 4}, 3.0, 1.0, 6.0 / 4),
+    ("uniform_stale", {"max_staleness": 32}, 3.0, 2.0, 3.0),
+])
+def test_overlapped_update_time_follows_the_schedule(protocol, kw, gen, train, expect):
+    from megapkl.launch.plan import overlapped_update_s
+
+    mean, ahead, window = overlapped_update_s(_schedule(protocol, **kw), gen, train)
+    assert mean == pytest.approx(expect)
+    if protocol == "periodic_refresh":
+        assert (ahead, window) == (kw["refresh_every"] - 1, kw["refresh_every"])
+    else:
+        assert ahead == (0 if protocol == "on_policy" else window)
+
+
+def test_plan_times_the_1p7b_pkl_run_colocated_and_on_gpus_of_its_own(tmp_path):
+    """Colocated (the paper config): no overlap. Servers on GPUs of their own: 63 of every 64
+    batches of periodic refresh are generated while the previous one trains."""
+    import dataclasses
+
+    weights = f"model.hf_checkpoint={tmp_path}"
+    p = plan_config(PKL_1P7B, "h100", [weights])
+    t = p.times
+    gen = BATCH_TOKENS / (8 * 1500.0)  # 8 colocated server GPUs (4 replicas x 2 servers x tp 1)
+    assert (t.tokens, t.gen_gpus) == (BATCH_TOKENS, 8) and t.response_len_is_max
+    assert t.generate_s == pytest.approx(gen) and t.train_s == p.step_s
+    assert t.sync_s == pytest.approx(gen + p.step_s) and t.async_s == t.sync_s
+    assert "colocate: true" in t.why_not
+    assert "max_response_len, an upper bound" in p.table()
+    assert dataclasses.asdict(p)["times"]["sync_s"] == t.sync_s
+
+    own = plan_config(PKL_1P7B, "h100", [weights, "rollout.sglang.colocate=false",
+                                         "rollout.async_batches=2"])
+    t = own.times
+    gen, train = BATCH_TOKENS / (4 * 1500.0), own.step_s  # 4 trainer GPUs, 4 server GPUs
+    assert t.gen_gpus == 4 and t.generate_s == pytest.approx(gen)
+    assert t.async_s == pytest.approx(((gen + train) + 63 * max(gen, train)) / 64)
+    assert t.ahead == (63, 64) and t.async_batches == 2
+    assert "rollout.async_batches: 2; 63 of 64 batches generated ahead" in own.table()
+
+    half = plan_config(PKL_1P7B, "h200", [weights, "rollout.sglang.colocate=false"],
+                       response_len=8192)
+    assert half.times.generate_s == pytest.approx(BATCH_TOKENS / 2 / (4 * 2100.0))
+    assert "if rollout.async_batches were > 0" in half.table()
+    assert "8192 tokens (mean, given)" in half.table()
+
+
+def test_plan_times_the_8b_pkl_run_at_periodic_refresh(tmp_path):
+    weights = f"model.hf_checkpoint={tmp_path}"
+    t = plan_config(PKL_8B, "h100", [weights]).times
+    assert t.gen_gpus == 32 and t.generate_s == pytest.approx(BATCH_TOKENS / (32 * 1500.0))
+    own = plan_config(PKL_8B, "h100", [weights, "rollout.sglang.colocate=false"])
+    t, gen = own.times, BATCH_TOKENS / (16 * 1500.0)  # 16 trainer GPUs + 4 x 4 servers of tp 2
+    assert t.gen_gpus == 16 and t.generate_s == pytest.approx(gen)
+    assert t.sync_s == pytest.approx(gen + own.step_s)
+    assert t.async_s == pytest.approx(((gen + own.step_s) + 63 * max(gen, own.step_s)) / 64)
+
+
+def test_plan_on_policy_gains_nothing_from_generation_ahead(tmp_path):
+    p = plan_config(PKL_1P7B, "h100", [f"model.hf_checkpoint={tmp_path}",
+                                       "rollout.sglang.colocate=false", "rollout.protocol=on_policy"])
+    assert p.times.async_s == pytest.approx(p.times.sync_s) and p.times.ahead[0] == 0
+    assert "on_policy waits for each batch's version" in p.table()

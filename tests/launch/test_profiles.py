@@ -77,6 +77,7 @@ def test_missing_partition() -> None:
     ("container: {runtime: docker, image: x}", "container.runtime", "'pyxis', 'apptainer'"),
     ("container: {runtime: pyxis}", "container.image", "needs an image"),
     ("env: {1BAD: x}", "env.1BAD", "not an environment variable"),
+    ("gpu_decode_tokens_per_s: 0", "gpu_decode_tokens_per_s", "> 0"),
 ])
 def test_wrong_types_and_values(line: str, key: str, words: str) -> None:
     name = line.split(":")[0]
@@ -235,7 +236,7 @@ def test_profile_is_a_dataclass_with_the_documented_keys() -> None:
     keys = {f.name for f in dataclasses.fields(ClusterProfile)}
     for k in ("partition", "account", "qos", "nodes", "gpus_per_node", "tasks_per_node",
               "cpus_per_task", "mem", "time", "constraint", "exclusive", "container", "setup",
-              "env", "sbatch", "srun_args"):
+              "env", "sbatch", "srun_args", "gpu_mem_gib", "gpu_tflops", "gpu_decode_tokens_per_s"):
         assert k in keys
 
 
