@@ -244,9 +244,8 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU,
     peak = getattr(profile, "gpu_tflops", None) if profile is not None else None
     step = flops / (gpus * peak * 1e12 * mfu) if peak else None
     servers = fleet_line(cfg)
-    times = (update_times(cfg, profile, step, response_len)
-             if step is not None and servers.startswith("SGLang: ") and "DOES NOT FIT" not in servers
-             else None)
+    fleet = servers.startswith("SGLang: ") and "DOES NOT FIT" not in servers  # launched, fits
+    times = update_times(cfg, profile, step, response_len) if fleet and step is not None else None
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
                 flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
                 servers=servers, times=times, **_engine_memory(cfg, spec, gpu))

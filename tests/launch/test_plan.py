@@ -261,6 +261,7 @@ def test_plan_times_the_8b_pkl_run_at_periodic_refresh(tmp_path):
 
 def test_plan_on_policy_gains_nothing_from_generation_ahead(tmp_path):
     p = plan_config(PKL_1P7B, "h100", [f"model.hf_checkpoint={tmp_path}",
-                                       "rollout.sglang.colocate=false", "rollout.protocol=on_policy"])
+                                       "rollout.sglang.colocate=false",
+                                       "rollout.protocol=on_policy", "rollout.refresh_every=null"])
     assert p.times.async_s == pytest.approx(p.times.sync_s) and p.times.ahead[0] == 0
     assert "on_policy waits for each batch's version" in p.table()
