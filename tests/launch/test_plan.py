@@ -253,7 +253,8 @@ def test_plan_times_the_8b_pkl_run_at_periodic_refresh(tmp_path):
     t = plan_config(PKL_8B, "h100", [weights]).times
     assert t.gen_gpus == 32 and t.generate_s == pytest.approx(BATCH_TOKENS / (32 * 1500.0))
     own = plan_config(PKL_8B, "h100", [weights, "rollout.sglang.colocate=false"])
-    t, gen = own.times, BATCH_TOKENS / (16 * 1500.0)  # 16 trainer GPUs; 2 replicas x 4 servers x tp 2
+    # 16 trainer GPUs; 2 replicas x 4 servers x tp 2 = 16 server GPUs
+    t, gen = own.times, BATCH_TOKENS / (16 * 1500.0)
     assert t.gen_gpus == 16 and t.generate_s == pytest.approx(gen)
     assert t.sync_s == pytest.approx(gen + own.step_s)
     assert t.async_s == pytest.approx(((gen + own.step_s) + 63 * max(gen, own.step_s)) / 64)
