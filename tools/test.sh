@@ -3,5 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh test
-# Two workers (pytest-xdist): tests/conftest.py keeps a file's tests, and all Slurm tests, together.
-exec .venv/bin/python -m pytest tests -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest tests "$@"

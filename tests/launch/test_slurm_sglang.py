@@ -48,7 +48,7 @@ def _starts(log: Path) -> list[str]:
 
 def test_colocated_fleets_one_per_leader_on_its_own_node(launch_tmp: Path) -> None:
     run_dir = launch_tmp / "sglang_colocated"
-    _run(run_dir, ["rollout.sglang.num_engines=1", "rollout.sglang.base_port=37700",
+    _run(run_dir, ["rollout.sglang.num_engines=1", "rollout.sglang.base_port=36700",
                    "rollout.sglang.weight_sync=tensor"], "two-node colocated SGLang job")
     ports = []
     for r in (0, 1):
@@ -62,7 +62,7 @@ def test_colocated_fleets_one_per_leader_on_its_own_node(launch_tmp: Path) -> No
 
 def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> None:
     run_dir = launch_tmp / "sglang_spread"
-    _run(run_dir, ["rollout.sglang.num_engines=2", "rollout.sglang.base_port=37800",
+    _run(run_dir, ["rollout.sglang.num_engines=2", "rollout.sglang.base_port=36800",
                    "rollout.sglang.colocate=false", "rollout.sglang.host=0.0.0.0",
                    "rollout.sglang.weight_sync=distributed"], "two-node spread SGLang job")
     for r in (0, 1):
