@@ -29,6 +29,23 @@ def _mark_fault(marks: Path) -> None:
     (marks / "fault").write_text(str(time.time()))
 
 
+def _one_error(marks: Path) -> tuple[dict, str]:
+    """Every rank's facts and the one error they all stopped with."""
+    facts = read_facts(marks)
+    assert sorted(facts) == [0, 1], "a rank did not leave run()"
+    errors = {f["error"] for f in facts.values()}
+    assert len(errors) == 1, errors  # the same error on both ranks
+    return facts, errors.pop()
+
+
+def _assert_prompt_exits(facts: dict, marks: Path, label: str) -> None:
+    """Each rank left run() within EXIT_WITHIN_S of the fault (printed: what the note quotes)."""
+    fault = float((marks / "fault").read_text())
+    took = [round(f["exit"] - fault, 2) for _, f in sorted(facts.items())]
+    print(f"\n{label}: ranks 0, 1 left run() {took} s after the fault on rank 1")
+    assert max(took) < EXIT_WITHIN_S, took
+
+
 def _file_missing_on_rank_1(marks):
     def inject(rank):
         if rank != 1:
@@ -113,11 +130,7 @@ def test_a_failure_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path, case
     marks.mkdir()
     cfg = tiny_cfg(run, *extra, "train.steps=5", "logging.tensorboard=true", data=2)
     dist_run(checked_run, 2, cfg, marks, make(marks), timeout=300)
-    facts = read_facts(marks)
-    assert sorted(facts) == [0, 1], "a rank did not leave run()"
-    errors = {f["error"] for f in facts.values()}
-    assert len(errors) == 1, errors  # the same error on both ranks
-    (error,) = errors
+    facts, error = _one_error(marks)
     assert re.search(message, error), error
     assert error.startswith("RunStopped: update 2: "), error
     saved = run / "checkpoints" / "step_00000002"
@@ -125,10 +138,7 @@ def test_a_failure_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path, case
     ckpt.verify(saved)
     assert_closed(facts, run, rows=2)
     assert [r["step"] for r in read_metrics(run)] == [0, 1]
-    fault = float((marks / "fault").read_text())
-    took = [round(f["exit"] - fault, 2) for _, f in sorted(facts.items())]
-    print(f"\n{case}: ranks 0, 1 left run() {took} s after the fault on rank 1")
-    assert max(took) < EXIT_WITHIN_S, took
+    _assert_prompt_exits(facts, marks, case)
 
 
 # ------------------------------------------------------------------ an HTTP 4xx from a server
@@ -164,18 +174,12 @@ def test_an_http_4xx_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
                          *(["rollout.topk_logprobs=100000"] if r == 1 else []), data=2)
                 for r in range(2)]
         dist_run(_rank_with_own_config, 2, cfgs, marks, timeout=300)
-    facts = read_facts(marks)
-    errors = {f["error"] for f in facts.values()}
-    assert len(errors) == 1, errors
-    (error,) = errors
+    facts, error = _one_error(marks)
     assert error.startswith("RunStopped: update 0: the rollout failed on rank 1: ValueError: "
                             "rollout.topk_logprobs (K=100000) refused by"), error
     assert "no update had finished" in error
     assert_closed(facts, run, rows=0)
-    took = [round(f["exit"] - float((marks / "fault").read_text()), 2)
-            for _, f in sorted(facts.items())]
-    print(f"\nhttp-4xx: ranks 0, 1 left run() {took} s after the fault on rank 1")
-    assert max(took) < EXIT_WITHIN_S, took
+    _assert_prompt_exits(facts, marks, "http-4xx")
 
 
 def _rank_whose_server_dies(rank, world, cfgs, marks, victim):  # noqa: ARG001
@@ -215,16 +219,10 @@ def test_an_engine_outage_on_one_rank_stops_every_rank_at_once(dist_run, tmp_pat
         cfgs = [tiny_cfg(run, *sglang, f'rollout.sglang.urls=["{w.url}"]', data=2)
                 for w in workers]
         dist_run(_rank_whose_server_dies, 2, cfgs, marks, workers[1].popen.pid, timeout=300)
-    facts = read_facts(marks)
-    errors = {f["error"] for f in facts.values()}
-    assert len(errors) == 1, errors
-    (error,) = errors
+    facts, error = _one_error(marks)
     assert error.startswith("EnginesStopped: update 2: the rollout's engines failed: "), error
     assert workers[0].url not in error and workers[1].url in error, error
     saved = run / "checkpoints" / "step_00000002"
     assert f"checkpoint {saved} holds the 2 finished updates" in error, error
     assert_closed(facts, run, rows=2)
-    took = [round(f["exit"] - float((marks / "fault").read_text()), 2)
-            for _, f in sorted(facts.items())]
-    print(f"\nengine-outage: ranks 0, 1 left run() {took} s after the engine failed on rank 1")
-    assert max(took) < EXIT_WITHIN_S, took
+    _assert_prompt_exits(facts, marks, "engine-outage")
