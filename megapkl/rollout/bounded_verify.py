@@ -252,7 +252,22 @@ class _Worker:
             pass
 
 
-class BoundedVerifier:
+class _WorkerOwner:
+    """Closing stops the worker process (gently); usable as a context manager."""
+
+    _worker: _Worker
+
+    def close(self) -> None:
+        self._worker.stop(kill=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BoundedVerifier(_WorkerOwner):
     """Scores (response, gold) pairs in a worker process; see the module docstring.
 
     timeout_s: math-verify's own limit inside the worker (None: off). kill_after_s: the caller's
@@ -289,17 +304,9 @@ class BoundedVerifier:
                         self.timeout_s, where or "a sample", _clip(extracted or response), gold)
         return VerifyResult(bool(correct), extracted, error)
 
-    def close(self) -> None:
-        self._worker.stop(kill=False)
-
-    def __enter__(self) -> "BoundedVerifier":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
-class BoundedFunction:
+class BoundedFunction(_WorkerOwner):
     """Calls the user's function `package.module:callable` in a worker process, each call bounded
     by `timeout_s` (SIGALRM inside the worker) and by `kill_after_s` (the caller kills the worker
     and starts a fresh one). Construction starts the worker and fails at once (RewardError) when
@@ -339,14 +346,6 @@ class BoundedFunction:
             raise RewardError(answer["error"])
         return answer["rewards"]
 
-    def close(self) -> None:
-        self._worker.stop(kill=False)
-
-    def __enter__(self) -> "BoundedFunction":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _clip(text: str, n: int = 80) -> str:
