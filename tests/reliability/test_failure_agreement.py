@@ -9,6 +9,7 @@ killed (an engine outage; test_engine_outage.py also resumes after one). Each ra
 measured from the fault, is printed."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -141,25 +142,32 @@ def test_a_failure_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path, case
     _assert_prompt_exits(facts, marks, case)
 
 
+def _mark_fault_when_generate_raises(marks: Path, error: type, before=None) -> None:
+    """This rank's SGLang client marks the fault's time when generate raises `error`;
+    `before(engine)` runs first on each call (the fault's trigger, if the test makes one)."""
+    from megapkl.rollout.sglang.client import SGLangEngine
+
+    real = SGLangEngine.generate
+
+    def generate(self, *args, **kwargs):
+        if before is not None:
+            before(self)
+        try:
+            return real(self, *args, **kwargs)
+        except error:
+            _mark_fault(marks)
+            raise
+
+    SGLangEngine.generate = generate
+
+
 # ------------------------------------------------------------------ an HTTP 4xx from a server
 
 
 def _rank_with_own_config(rank, world, cfgs, marks):  # noqa: ARG001
     def inject(rank):
-        if rank != 1:
-            return
-        from megapkl.rollout.sglang.client import SGLangEngine
-
-        real = SGLangEngine.generate
-
-        def generate(self, *args, **kwargs):
-            try:
-                return real(self, *args, **kwargs)
-            except ValueError:  # the server's 400, as the client reports it
-                _mark_fault(marks)
-                raise
-
-        SGLangEngine.generate = generate
+        if rank == 1:  # the server's 400, as the client reports it
+            _mark_fault_when_generate_raises(marks, ValueError)
     return checked_run(rank, world, cfgs[rank], marks, inject)
 
 
@@ -185,27 +193,16 @@ def test_an_http_4xx_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
 def _rank_whose_server_dies(rank, world, cfgs, marks, victim):  # noqa: ARG001
     """Rank 1 kills its own server (SIGKILL) right before it generates update 2's batch (the
     first from policy version 2)."""
+    def kill_before_update_2(engine) -> None:
+        if engine.version == 2 and not (marks / "killed").exists():  # update 2's batch
+            (marks / "killed").touch()
+            os.kill(victim, signal.SIGKILL)
+
     def inject(rank):
-        if rank != 1:
-            return
-        import os
+        if rank == 1:
+            from megapkl.rollout.engine import RolloutEngineError
 
-        from megapkl.rollout.engine import RolloutEngineError
-        from megapkl.rollout.sglang.client import SGLangEngine
-
-        real = SGLangEngine.generate
-
-        def generate(self, *args, **kwargs):
-            if self.version == 2 and not (marks / "killed").exists():  # update 2's batch
-                (marks / "killed").touch()
-                os.kill(victim, signal.SIGKILL)
-            try:
-                return real(self, *args, **kwargs)
-            except RolloutEngineError:
-                _mark_fault(marks)
-                raise
-
-        SGLangEngine.generate = generate
+            _mark_fault_when_generate_raises(marks, RolloutEngineError, kill_before_update_2)
     return checked_run(rank, world, cfgs[rank], marks, inject)
 
 
