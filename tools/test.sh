@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh test
-exec .venv/bin/python -m pytest tests "$@"
+# Two workers (pytest-xdist): tests/conftest.py keeps the tests that start servers or use Slurm
+# together in one of them.
+exec .venv/bin/python -m pytest tests -n 2 --dist loadgroup "$@"

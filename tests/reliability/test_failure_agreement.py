@@ -209,7 +209,7 @@ def _rank_whose_server_dies(rank, world, cfgs, marks, victim):  # noqa: ARG001
 def test_an_engine_outage_on_one_rank_stops_every_rank_at_once(dist_run, tmp_path):
     marks, run = tmp_path / "marks", tmp_path / "run"
     sglang = ["rollout.engine=sglang", "rollout.sglang.health_interval_s=0.3",
-              "rollout.sglang.health_timeout_s=3", "rollout.sglang.no_engine_timeout_s=2",
+              "rollout.sglang.health_timeout_s=20", "rollout.sglang.no_engine_timeout_s=5",
               "rollout.sglang.max_retries=1", "rollout.sglang.startup_timeout_s=120",
               "train.steps=4", "logging.tensorboard=true"]
     with two_serve_workers(tmp_path) as workers:

@@ -247,3 +247,51 @@ def test_no_engine_for_too_long_names_engines_and_logs(tmp_path):
     assert "http://127.0.0.1:9 (dead" in msg and "3 failed checks" in msg
     assert isinstance(info.value, RolloutEngineError)
 
+
+
+def test_weights_wait_for_a_server_still_starting(tmp_path):
+    """A push finds no server ready yet (still starting, or slow on a busy machine): it waits up to
+    no_engine_timeout_s for one to answer, as a request does. Before: EnginesUnavailable at once,
+    naming a timeout it had not waited."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sglang_fixtures import free_port
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    port = free_port()
+    w = Worker(f"http://127.0.0.1:{port}")  # stale: no weights yet
+    fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=0.3, interval_s=0.05,
+                                             timeout_s=2))
+    with pytest.raises(EnginesUnavailable, match="no_engine_timeout_s"):
+        with fleet.weight_targets():
+            pass
+    fleet.health.no_engine_timeout_s = 60
+    servers = []
+
+    def start_late():  # refused until then
+        servers.append(ThreadingHTTPServer(("127.0.0.1", port), Healthy))
+        servers[0].serve_forever()
+
+    later = threading.Thread(target=lambda: (time.sleep(1.0), start_late()), daemon=True)
+    t0 = time.monotonic()
+    later.start()
+    try:
+        with fleet.weight_targets() as targets:
+            assert targets == [w]
+            assert time.monotonic() - t0 >= 1.0
+            assert fleet.lock._is_owned()  # the push runs under the fleet lock
+    finally:
+        while not servers:
+            time.sleep(0.05)
+        servers[0].shutdown()
+        servers[0].server_close()

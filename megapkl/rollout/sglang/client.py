@@ -111,28 +111,30 @@ class SGLangEngine(RolloutEngine):
             weights = list(named_tensors)
             if not weights:
                 raise WeightUpdateError("update_weights received no tensors")
-        with self.fleet.lock:
-            targets = [w for w in self.fleet.workers
-                       if w.state == "ready" or (w.state == "stale" and self.fleet._alive(w))]
-            while True:
-                if not targets:
-                    raise self.fleet.unavailable()
-                try:
-                    self.sync.push([Target(w.url, w.tp) for w in targets], weights, version)
-                    break
-                except WeightUpdateError as exc:
-                    dead = getattr(exc, "unreachable", None)
-                    if dead is None or self.fleet.by_url(dead) not in targets:
-                        raise
-                    # A server died during the sync: it gets these weights when it is back;
-                    # the others get them now (again, from the start: all or nothing per server).
-                    self.fleet.report_failure(dead, exc)
-                    w = self.fleet.by_url(dead)
-                    if w.state == "ready":  # answers again, but missed this version
-                        self.fleet.retire(w, "stale", f"missed the sync to version {version}")
-                    targets = [w for w in targets if w.url != dead and w.state != "dead"]
-            self._weights, self.fleet.version = weights, version
-            self.fleet.admit(targets)
+        with self.fleet.weight_targets() as targets:
+            self._push(targets, weights, version)
+
+    def _push(self, targets: list[Worker], weights: Any, version: int) -> None:
+        """Push to `targets` (under the fleet lock) and admit the ones that took the weights."""
+        while True:
+            if not targets:
+                raise self.fleet.unavailable()
+            try:
+                self.sync.push([Target(w.url, w.tp) for w in targets], weights, version)
+                break
+            except WeightUpdateError as exc:
+                dead = getattr(exc, "unreachable", None)
+                if dead is None or self.fleet.by_url(dead) not in targets:
+                    raise
+                # A server died during the sync: it gets these weights when it is back;
+                # the others get them now (again, from the start: all or nothing per server).
+                self.fleet.report_failure(dead, exc)
+                w = self.fleet.by_url(dead)
+                if w.state == "ready":  # answers again, but missed this version
+                    self.fleet.retire(w, "stale", f"missed the sync to version {version}")
+                targets = [w for w in targets if w.url != dead and w.state != "dead"]
+        self._weights, self.fleet.version = weights, version
+        self.fleet.admit(targets)
 
     def _resync(self, workers: list[Worker]) -> None:
         if self._weights is None or self.fleet.version is None:

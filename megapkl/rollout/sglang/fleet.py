@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 from urllib.parse import quote
 
 from megapkl.rollout.engine import RolloutEngineError
@@ -143,6 +144,23 @@ class Fleet:
                     return self.router_url
                 self._rr += 1
                 return ready[self._rr % len(ready)].url
+            if time.monotonic() - t0 > self.health.no_engine_timeout_s:
+                raise self.unavailable()
+            time.sleep(min(0.2, self.health.interval_s))
+
+    @contextmanager
+    def weight_targets(self) -> Iterator[list[Worker]]:
+        """Under the fleet lock: the workers that can take weights now (ready ones, and stale ones
+        that answer). Like a request, waits up to no_engine_timeout_s for one (a server still
+        starting, or slow to answer on a busy machine), then EnginesUnavailable."""
+        t0 = time.monotonic()
+        while True:
+            with self.lock:
+                targets = [w for w in self.workers
+                           if w.state == "ready" or (w.state == "stale" and self._alive(w))]
+                if targets:
+                    yield targets
+                    return
             if time.monotonic() - t0 > self.health.no_engine_timeout_s:
                 raise self.unavailable()
             time.sleep(min(0.2, self.health.interval_s))
