@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash tools/setup_env.sh test
 # Two workers (pytest-xdist): tests/conftest.py keeps the tests that start servers or use Slurm
 # together in one of them.
-exec .venv/bin/python -m pytest tests -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest tests -n 2 "$@"
