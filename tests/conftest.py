@@ -27,25 +27,34 @@ def dist_run(megatron_loaded):
 
 
 # Under pytest-xdist (tools/test.sh runs two workers: many tests wait on processes, servers and
-# Slurm): every test that starts servers, kills them or submits to the local Slurm cluster runs in
-# one worker, one at a time, so no two of them race for ports or for the cluster's two CPUs; the
-# other worker takes the in-process tests meanwhile. That group is the largest: xdist sends it
-# first. (A scheduler of our own rather than xdist_group markers: under pytest 9 xdist 3.8 no
-# longer tags the marked tests' ids, and the markers group nothing.)
-SERVERS = tuple(f"tests/{p}" for p in (
-    "launch/", "journey/", "serve/", "contract/", "rollout/test_sglang_",
-    "reliability/test_engine_outage.py", "reliability/test_failure_agreement.py",
-    "train/test_async_identity.py", "train/test_mismatch_routing.py"))
+# Slurm) the tests that start servers, kill them or submit to the local Slurm cluster are two work
+# units, one per worker at first: the Slurm ones run one at a time (the cluster has two CPUs), and so
+# do the server ones (a port a killed server freed is not taken by another test's server). Every
+# other test is a unit of its own and fills in. (A scheduler of our own rather than xdist_group
+# markers: under pytest 9, xdist 3.8's markers no longer change the test ids and group nothing.)
+GROUPS = {
+    "slurm": ("launch/", "journey/"),
+    "servers": ("serve/", "contract/", "rollout/test_sglang_", "reliability/test_engine_outage.py",
+                "reliability/test_failure_agreement.py", "train/test_async_identity.py",
+                "train/test_mismatch_routing.py"),
+}
+
+
+def work_unit(nodeid: str) -> str:
+    for name, prefixes in GROUPS.items():
+        if nodeid.startswith(tuple(f"tests/{p}" for p in prefixes)):
+            return name
+    return nodeid
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ServersTogether(LoadScopeScheduling):
-        """One work unit for the SERVERS tests; every other test is a unit of its own."""
+    class Grouped(LoadScopeScheduling):
+        """LoadScope over work_unit(): the largest units go out first."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "servers" if nodeid.startswith(SERVERS) else nodeid
+            return work_unit(nodeid)
 
-    return ServersTogether(config, log)
+    return Grouped(config, log)

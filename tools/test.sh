@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh test
-# Two workers (pytest-xdist): tests/conftest.py keeps the tests that start servers or use Slurm
-# together in one of them.
+# Two workers (pytest-xdist): tests/conftest.py runs the Slurm tests one at a time in one worker and
+# the server tests one at a time in the other, the rest filling in.
 exec .venv/bin/python -m pytest tests -n 2 "$@"
