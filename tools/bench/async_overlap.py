@@ -41,12 +41,12 @@ PROTOCOLS = {
 GENERATION = ("sync", "generate", "reward")
 
 
-def base(run_dir: Path, steps: int, pin: bool) -> list[str]:
-    serve = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
+def base(run_dir: Path, steps: int, pin: bool, model: str) -> list[str]:
+    serve = ["{python}", "-m", "megapkl.serve.serve", "--model-config", model,
              "--host", "{host}", "--port", "{port}", "--log-level", "warning"]
     if pin:
         serve = ["taskset", "-c", "1", *serve]
-    return ["model.name=tiny-qwen3", "model.hf_checkpoint=null", "model.dtype=fp32",
+    return [f"model.name={model}", "model.hf_checkpoint=null", "model.dtype=fp32",
             "parallel.data=1", "parallel.micro_batch_size=32", f"train.steps={steps}",
             "rollout.engine=sglang", "rollout.sglang.colocate=false",
             "rollout.sglang.use_router=false", f"rollout.sglang.server_command={json.dumps(serve)}",
@@ -71,13 +71,14 @@ def per_update(rows: list[dict], keys) -> float:
     return sum(sum(r.get(f"time/{k}_s", 0.0) for k in keys) for r in rows) / len(rows)
 
 
-def measure(protocol: str, steps: int, skip: int, pin: bool, extra: list[str], tmp: Path) -> dict:
+def measure(protocol: str, steps: int, skip: int, pin: bool, extra: list[str], tmp: Path,
+            model: str) -> dict:
     from megapkl.train.metrics_log import wall_clock
 
     runs = {}
     for mode, ahead in (("sync", "0"), ("async", "2")):
         run_dir = tmp / protocol / mode
-        runs[mode] = train([*base(run_dir, steps, pin), *PROTOCOLS[protocol], *extra,
+        runs[mode] = train([*base(run_dir, steps, pin, model), *PROTOCOLS[protocol], *extra,
                             f"rollout.async_batches={ahead}"])
     same = [{k: v for k, v in r.items() if not wall_clock(k)} for r in runs["sync"]] == \
         [{k: v for k, v in r.items() if not wall_clock(k)} for r in runs["async"]]
@@ -94,6 +95,9 @@ def main() -> None:
     ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=list(PROTOCOLS))
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--skip", type=int, default=4, help="first updates left out (warm-up)")
+    ap.add_argument("--model", default="tiny-qwen3", help="model spec (name or YAML) of trainer "
+                    "and server; tools/bench/overlap-qwen3.yaml makes training and generation "
+                    "cost about the same here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args()
     import torch
@@ -108,7 +112,7 @@ def main() -> None:
     print(f"{'protocol':22s} {'sync':>7s} {'async':>7s} {'gen':>7s} {'train':>7s} {'limit':>7s} "
           f"{'async/limit':>11s} {'sync/async':>10s}  metrics")
     for protocol in args.protocols:
-        m = measure(protocol, args.steps, args.skip, pin, args.overrides, tmp)
+        m = measure(protocol, args.steps, args.skip, pin, args.overrides, tmp, args.model)
         print(f"{protocol:22s} {m['sync']:7.3f} {m['async']:7.3f} {m['gen']:7.3f} "
               f"{m['train']:7.3f} {m['limit']:7.3f} {m['async'] / m['limit']:11.2f} "
               f"{m['sync'] / m['async']:10.2f}  {'identical' if m['identical'] else 'DIFFER'}",
