@@ -93,6 +93,10 @@ class LaunchContext:
             f.write(json.dumps(row) + "\n")
 
     # ---- preemption
+    def preempt_signaled(self) -> bool:
+        """This rank got the preemption/time-limit signal (no collective: any thread, any time)."""
+        return self._flag is not None and self._flag.requested
+
     def preempt_requested(self) -> bool:
         """Collective: True on every rank when any rank got the preemption/time-limit signal.
         Call it on all ranks at the same point (a step boundary)."""

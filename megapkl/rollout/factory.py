@@ -61,6 +61,9 @@ class EngineContext:
     tensor: int = 1                  # the trainer's layout (parallel.*): where launched servers
     context: int = 1                 # go on the GPUs beside it (rollout/sglang/placement.py)
     pipeline: int = 1
+    # True once the run is stopping (a stop signal or a preemption on this rank): launched servers
+    # may have received the same signal, so nobody waits for them any more
+    stopping: Callable[[], bool] = lambda: False
 
 
 def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
@@ -84,7 +87,8 @@ def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
 
 
 def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,
-                   replica: int = 0, replicas: int = 1) -> EngineContext:
+                   replica: int = 0, replicas: int = 1,
+                   stopping: Callable[[], bool] = lambda: False) -> EngineContext:
     """The engine context of a run config for a model's HF config mapping."""
     p = cfg.parallel
     return EngineContext(hf_config=hf_config, work_dir=Path(cfg.run_dir or f"runs/{cfg.name}"),
@@ -92,11 +96,11 @@ def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any
                          hf_checkpoint=cfg.model.hf_checkpoint,
                          routing_replay=cfg.model.routing_replay, device=device, dtype=dtype,
                          replica=replica, replicas=replicas, tensor=p.tensor, context=p.context,
-                         pipeline=p.pipeline)
+                         pipeline=p.pipeline, stopping=stopping)
 
 
-def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1
-                     ) -> RolloutEngine:
+def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1,
+                     stopping: Callable[[], bool] = lambda: False) -> RolloutEngine:
     """The run's rollout engine for the trainer model `spec`, on the device and in the dtype the
     model dtype calls for (`megapkl.models.provider.engine_placement`); empty: weights come
     through update_weights."""
@@ -105,5 +109,6 @@ def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, repl
 
     device, dtype = engine_placement(cfg.model.dtype)
     hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1])
-    ctx = engine_context(cfg, hf, device=device, dtype=dtype, replica=replica, replicas=replicas)
+    ctx = engine_context(cfg, hf, device=device, dtype=dtype, replica=replica, replicas=replicas,
+                         stopping=stopping)
     return build_engine(cfg.rollout, ctx, tokenizer)

@@ -36,7 +36,7 @@ from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.train.rollouts import Replica, build_rollout_stage
-from megapkl.train.run_context import RunContext
+from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
 from megapkl.train.timers import Timers
 
@@ -96,7 +96,8 @@ class Trainer:
         self.learner = Learner(cfg, g)
         replica = Replica.of(g)
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
-            cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule),
+            cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule,
+            context.stopping),
             what="starting the rollouts")
         self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
         self.checkpoints = ckpt.CheckpointManager(cfg, {
@@ -213,6 +214,20 @@ class Trainer:
         except RanksFailed as exc:
             if row is not None:
                 self.log(finished - 1, row)
+            stop = self.context.stop_requested() if exc.outage else None  # every rank is here
+            if stop:  # the engines went down with the signal that stops the run (a preemption
+                # reaches the servers launched in the job too): checkpoint, and requeue / stop
+                if self.rank == 0:
+                    print(f"[megapkl.train] {stop} during update {finished}, whose engines "
+                          f"stopped with it: {exc}", file=sys.stderr, flush=True)
+                path = self.checkpoints.save(finished) if finished else None
+                if stop == PREEMPTION:
+                    self.context.stop(stop, finished - 1, path)  # requeues: never returns
+                raise RunStopped(f"{stop} during update {finished - (row is not None)}, whose "
+                                 f"engines stopped with it; " + (
+                                     f"checkpoint {path} holds the {finished} finished updates: "
+                                     "continue with checkpoint.resume=true" if path else
+                                     "no update had finished, so there is nothing to checkpoint"))
             kind = EnginesStopped if exc.outage else RunStopped
             raise kind(f"update {finished - (row is not None)}: {exc}; "
                        + self.checkpoints.save_finished(finished)) from None

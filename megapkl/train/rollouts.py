@@ -69,8 +69,8 @@ class Ahead:
 
 
 def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[Timers] = None,
-                        hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None
-                        ) -> "RolloutStage":
+                        hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
+                        stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
     """The stage of a run config: tokenizer and prompts (data), reward, version store and, on a
     replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists.
     `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
@@ -89,7 +89,8 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
     engine = reward = None
     if replica.leader:  # the replica's other ranks get the scored samples from it
         reward = hold(build_reward(cfg.reward, cfg.data, tokenizer, task))
-        engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size))
+        engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size,
+                                       stopping))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=cfg.model.routing_replay)
     ahead = None

@@ -67,6 +67,15 @@ class RunContext:
                 self.hold(RunLock(Path(run_dir)).acquire())
         agreed(take, what="locking the run directory")
 
+    def stopping(self) -> bool:
+        """This rank got a stop signal or a preemption (no collective: any thread, any time)."""
+        if self.launch is not None:
+            signaled = getattr(self.launch, "preempt_signaled", None)
+            return bool(signaled and signaled())
+        from megapkl.train import stopping
+
+        return stopping.received() != 0
+
     def stop_requested(self) -> Optional[str]:
         """Collective, once per update on every rank: 'preemption' (launcher), the name of a stop
         signal any rank received (local run), or None."""

@@ -189,3 +189,58 @@ def test_engine_outage_during_evaluation_checkpoints_the_finished_update(dist_ru
         assert evals == [1, 3, 5, 7]
         assert [r for r in comparable(got) if r["step"] != 1] == \
             [r for r in comparable(want) if r["step"] != 1]  # the later evaluations agree too
+
+
+def _rank_stopped_with_its_server(rank, world, cfgs, stop):  # noqa: ARG001
+    """Rank 1, at its second batch: its server is killed and the rank gets SIGTERM, as a stop
+    signal or a Slurm preemption reaches the servers the trainer launched too."""
+    if rank == 1:
+        import os
+        import signal
+
+        from megapkl.rollout.sglang.client import SGLangEngine
+
+        original, calls = SGLangEngine.generate, []
+
+        def generate(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                stop.touch()
+                deadline = time.monotonic() + 60
+                while not Path(str(stop) + ".dead").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(self, *args, **kwargs)
+
+        SGLangEngine.generate = generate
+    return _rank(rank, world, cfgs)
+
+
+def test_a_stop_signal_that_kills_the_servers_too_checkpoints_at_once(dist_run, tmp_path):
+    """The run is stopping and its engine died with the same signal: the rank gives up on the
+    engine at once (no no_engine_timeout_s wait, here 600 s; no restart), every rank checkpoints
+    the finished updates, and the resumed run equals the uninterrupted one."""
+    from megapkl.cli import describe
+
+    patient = ["rollout.sglang.no_engine_timeout_s=600", "rollout.sglang.max_restarts=3"]
+    with two_serve_workers(tmp_path) as workers:
+        urls = [w.url for w in workers]
+        ref = tmp_path / "reference"
+        dist_run(_rank, 2, _cfgs(ref, urls), timeout=300)
+
+        run, stop = tmp_path / "run", tmp_path / "stop"
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            dist_run(_rank_stopped_with_its_server, 2, _cfgs(run, urls, *patient, doomed=stop),
+                     stop, timeout=300)
+        line = describe(info.value)
+        assert time.monotonic() - t0 < 200, "waited for the engine"
+        m = re.search(r"SIGTERM during update (\d+), whose engines stopped with it; checkpoint "
+                      r"(\S+) holds the (\d+) finished updates", line)
+        assert m and m.group(1) == m.group(3) and int(m.group(1)) >= 1, line
+        ckpt.verify(Path(m.group(2)))
+
+        dist_run(_rank, 2, _cfgs(run, urls, "checkpoint.resume=true"), timeout=300)
+        got, want = read_metrics(run), read_metrics(ref)
+        assert [r["step"] for r in got] == list(range(STEPS))
+        assert comparable(got) == comparable(want)

@@ -295,3 +295,27 @@ def test_weights_wait_for_a_server_still_starting(tmp_path):
             time.sleep(0.05)
         servers[0].shutdown()
         servers[0].server_close()
+
+
+def test_a_stopping_run_waits_for_no_server_and_restarts_none(tmp_path):
+    """A stop signal or a Slurm preemption reaches the servers the trainer launched too: once the
+    run is stopping, a request or a weight push finding no server gives up at once (the trainer
+    checkpoints its finished updates) instead of waiting no_engine_timeout_s, and the heartbeat
+    restarts nobody."""
+    from megapkl.rollout.sglang.launch import ServerSpec
+
+    spec = ServerSpec(0, "http://127.0.0.1:9", ["true"], tmp_path / "engine0.log")
+    w = Worker(spec.url, spec=spec, state="dead", last_error="killed by SIGTERM")
+    fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=600, interval_s=0.1))
+    stopping = threading.Event()
+    fleet.stopping = stopping.is_set
+    threading.Timer(0.5, stopping.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(EnginesUnavailable, match="the run is stopping") as info:
+        fleet.pick()
+    assert time.monotonic() - t0 < 5 and "killed by SIGTERM" in str(info.value)
+    with pytest.raises(EnginesUnavailable, match="the run is stopping"):
+        with fleet.weight_targets():
+            pass
+    fleet.beat()
+    assert w.restarts == 0 and w.state == "dead"

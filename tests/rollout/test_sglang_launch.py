@@ -169,3 +169,30 @@ def test_slurm_nodes_need_no_slurm_client(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-a[003-004],gpu-b7")
     assert slurm_nodes() == ["gpu-a003", "gpu-a004", "gpu-b7"]
     assert Slot(None, 0).node is None
+
+
+def test_replicas_sharing_a_node_search_disjoint_ports():
+    """The replicas of a node pick their ports at the same time: when their first ports are taken
+    (a requeued job whose old servers still hold them), they must not both move to the same next
+    free one. A port whose server died (TIME_WAIT) counts as free, as for the server's own bind."""
+    import socket
+
+    from megapkl.rollout.sglang.launch import pick_ports
+
+    from sglang_fixtures import free_port
+
+    base = free_port()
+    held = []
+    for p in (base, base + 1):  # both replicas' first ports are taken
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", p))
+        s.listen()
+        held.append(s)
+    try:
+        got = [pick_ports("127.0.0.1", base + r, 1, stride=2)[0] for r in range(2)]
+    finally:
+        for s in held:
+            s.close()
+    assert got[0] != got[1] and {p % 2 for p in got} == {base % 2, (base + 1) % 2}, got
+    assert pick_ports("127.0.0.1", base, 2, stride=4) == [base, base + 1]  # closed: free again

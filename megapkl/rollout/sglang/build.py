@@ -142,7 +142,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                               base_gpu_id=base_gpu_id)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
-                         replica=replica, slots=slots)
+                         replica=replica, slots=slots, replicas=ctx.replicas)
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     fleet = Fleet(workers, health=health)
     try:
@@ -150,7 +150,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
-            port = pick_ports(sg.host, sg.base_port + 1000 + replica, 1)[0]
+            port = pick_ports(sg.host, sg.base_port + 1000 + replica, 1, stride=ctx.replicas)[0]
             url = f"http://{local_address(sg.host)}:{port}"
             fleet.router = ServerProcess("router", url, router_command(
                 sg, [w.url for w in workers], sg.host, port), work / "logs" / "router.log").start()
@@ -199,6 +199,7 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
     fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, tokenizer)
+    fleet.stopping = ctx.stopping
     sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                       transform=transform or identity,
                       hf_config=hf_config)

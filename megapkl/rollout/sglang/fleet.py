@@ -80,6 +80,7 @@ class Fleet:
         self.resync: Optional[Callable[[list[Worker]], None]] = None  # set by the engine
         self.restarted: Optional[Callable[[Worker], None]] = None  # set by the engine
         self.asleep: Callable[[str], bool] = lambda url: False  # memory released (the engine)
+        self.stopping: Callable[[], bool] = lambda: False  # the run is stopping (EngineContext)
         self._rr = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -144,8 +145,7 @@ class Fleet:
                     return self.router_url
                 self._rr += 1
                 return ready[self._rr % len(ready)].url
-            if time.monotonic() - t0 > self.health.no_engine_timeout_s:
-                raise self.unavailable()
+            self._give_up_after(t0)
             time.sleep(min(0.2, self.health.interval_s))
 
     @contextmanager
@@ -161,15 +161,24 @@ class Fleet:
                 if targets:
                     yield targets
                     return
-            if time.monotonic() - t0 > self.health.no_engine_timeout_s:
-                raise self.unavailable()
+            self._give_up_after(t0)
             time.sleep(min(0.2, self.health.interval_s))
 
-    def unavailable(self) -> EnginesUnavailable:
+    def _give_up_after(self, t0: float) -> None:
+        """No server for longer than no_engine_timeout_s, or the run is stopping: a stop signal
+        or a Slurm preemption reaches the servers launched in the job too, and the trainer must
+        reach its checkpoint rather than wait for them."""
+        if self.stopping():
+            raise self.unavailable(stopping=True)
+        if time.monotonic() - t0 > self.health.no_engine_timeout_s:
+            raise self.unavailable()
+
+    def unavailable(self, stopping: bool = False) -> EnginesUnavailable:
         lines = "\n  ".join(w.describe() for w in self.workers)
-        return EnginesUnavailable(
-            f"no SGLang engine could serve for {self.health.no_engine_timeout_s:.0f} s "
-            f"(rollout.sglang.no_engine_timeout_s); engines:\n  {lines}")
+        why = ("no SGLang engine could serve and the run is stopping (a stop signal or a "
+               "preemption)" if stopping else f"no SGLang engine could serve for "
+               f"{self.health.no_engine_timeout_s:.0f} s (rollout.sglang.no_engine_timeout_s)")
+        return EnginesUnavailable(f"{why}; engines:\n  {lines}")
 
     def report_failure(self, url: str, exc: BaseException) -> None:
         """A request to `url` failed: check that worker now (the router: all of them)."""
@@ -231,7 +240,7 @@ class Fleet:
         """Restart a dead worker we launched; re-admit a worker once it holds the current weights."""
         if w.state == "dead":
             if w.spec is not None:
-                if w.restarts >= self.health.max_restarts:
+                if w.restarts >= self.health.max_restarts or self.stopping():
                     return
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")

@@ -94,7 +94,10 @@ class ServerProcess:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nobody listens on `port` (connections of a server that just died, in TIME_WAIT, do not
+    count: servers bind with SO_REUSEADDR, so a requeued job gets its ports back)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return True
@@ -102,15 +105,22 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
-def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = ()) -> list[int]:
-    ports, p = [], start
-    while len(ports) < count:
+def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = (),
+               stride: int = 0) -> list[int]:
+    """`count` free ports from `start` on. With `stride` (>= count): only start + k * stride + j
+    (j < count), so the replicas sharing a node, which search at the same time from
+    base + replica * count with stride replicas * count, never pick the same port."""
+    ports, block = [], max(stride, count)
+    candidates = (start + k * block + j for k in range(65536) for j in range(count)) if stride \
+        else iter(range(start, 65536))
+    for p in candidates:
         if p > 65535:
-            raise ServerLaunchError(f"rollout.sglang.base_port: no {count} free ports from {start}")
+            break
         if p not in taken and port_free(host, p):
             ports.append(p)
-        p += 1
-    return ports
+            if len(ports) == count:
+                return ports
+    raise ServerLaunchError(f"rollout.sglang.base_port: no {count} free ports from {start}")
 
 
 def slurm_nodes() -> list[str]:
@@ -209,7 +219,8 @@ class ServerSpec:
 
 def plan_servers(sg: Any, *, log_dir: Path,
                  make_cmd: Callable[[str, int, Optional[int]], list[str]], host: str,
-                 replica: int = 0, slots: Optional[Sequence[Slot]] = None) -> list[ServerSpec]:
+                 replica: int = 0, slots: Optional[Sequence[Slot]] = None, replicas: int = 1
+                 ) -> list[ServerSpec]:
     """One spec per engine of trainer replica `replica` (a data-parallel leader). Ports start at
     base_port + replica * num_engines, so the fleets of replicas sharing a node never collide.
     `slots` (placement.py): the node and first GPU of each server (None: no GPU placement, e.g.
@@ -252,7 +263,8 @@ def plan_servers(sg: Any, *, log_dir: Path,
         return specs
     return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
                        log_dir / f"engine{i}.log", sg.tp)
-            for i, port in enumerate(pick_ports(host, first, sg.num_engines))]
+            for i, port in enumerate(pick_ports(host, first, sg.num_engines,
+                                                stride=replicas * sg.num_engines))]
 
 
 def local_address(host: str) -> str:
