@@ -234,9 +234,9 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
                         {"summary": summaries[s.name],
                          "runs": json.loads(runs.read_text()) if runs.exists() else {}},
                         indent=1) + "\n")
-                curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
-                if curve.exists():
-                    shutil.copyfile(curve, docs / f"{s.name}.png")
+                    curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
+                    if curve.exists():
+                        shutil.copyfile(curve, docs / f"{s.name}.png")
             elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
                 summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
     for key, fam in FAMILIES.items():

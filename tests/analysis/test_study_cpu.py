@@ -84,8 +84,13 @@ def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
     (tmp_path / "out" / "tetpo_u16").mkdir(parents=True)
     (tmp_path / "out" / "tetpo_u16" / "summary.json").write_text(json.dumps(summarize(cmp)))
     (tmp_path / "out" / "tetpo_u16" / "runs.json").write_text('{"tetpo/seed-0": {"commit": "abc"}}')
+    (tmp_path / "out" / "tetpo_u16" / "curve_eval_micro_avg_accuracy.png").write_bytes(b"png")
+    study.analyze(tmp_path / "out", None)  # printing only: nothing copied, nothing raised
+    assert not (tmp_path / "docs").exists()
+    capsys.readouterr()
     study.analyze(tmp_path / "out", tmp_path / "docs")
     first = capsys.readouterr().out
+    assert (tmp_path / "docs" / "tetpo_u16.png").read_bytes() == b"png"
     copy = json.loads((tmp_path / "docs" / "tetpo_u16.json").read_text())
     assert copy["runs"] == {"tetpo/seed-0": {"commit": "abc"}}
     study.analyze(tmp_path / "docs", None)
