@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from megapkl.launch import jobs
 from megapkl.launch.submit import read_metrics, submit
 
 from .conftest import TINY, wait_done, wait_state
-from .test_slurm_trainer import comparable
+from .test_slurm_trainer import _interrupt_when, comparable
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -47,12 +46,7 @@ def test_preemption_with_batches_generated_ahead_requeues_and_resumes_the_sync_r
 
     run_dir, sub = _run(launch_tmp, "async_preempted", "rollout.async_batches=2",
                         "rollout.sglang.base_port=37400")
-    deadline = time.time() + 240
-    while len(read_metrics(run_dir)) < 3:  # training, generating ahead
-        assert time.time() < deadline, "the asynchronous job never logged update 2"
-        assert not sub.job.done(), "the asynchronous job ended before it could be interrupted"
-        time.sleep(0.05)
-    sub.job._interrupt()
+    _interrupt_when(sub, run_dir, ["start"], 3, "asynchronous job")  # training, generating ahead
     results = wait_done(sub.job, 300, "preempted asynchronous job")
     events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events == ["start", "requeued", "start", "done"], events
