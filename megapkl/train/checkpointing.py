@@ -82,16 +82,17 @@ class CheckpointManager:
                       file=sys.stderr, flush=True)
         return step_dir(self.cfg, step)
 
-    def save_finished(self, update: int) -> str:
+    def save_finished(self, update: int, then: str = "fix the cause and continue"
+                      ) -> tuple[Optional[Path], str]:
         """Collective, after a failure during update `update` (before its training step) or in the
         evaluation after update `update - 1`: the checkpoint of the `update` finished updates (the
-        parts have put their state back to the start of the failed work); returns the sentence for
-        the error."""
+        parts have put their state back to the start of the failed work); returns its path (None
+        when no update had finished) and the sentence for the error, ending with `then`."""
         if update == 0:
-            return "no update had finished, so there is nothing to checkpoint"
+            return None, "no update had finished, so there is nothing to checkpoint"
         path = self.save(update)
-        return (f"checkpoint {path} holds the {update} finished updates; fix the cause and "
-                "continue with checkpoint.resume=true")
+        return path, (f"checkpoint {path} holds the {update} finished updates; {then} with "
+                      "checkpoint.resume=true")
 
     def resume(self) -> int:
         """Collective: the latest complete checkpoint (checkpoint.resume: true) or the named one,

@@ -214,23 +214,21 @@ class Trainer:
         except RanksFailed as exc:
             if row is not None:
                 self.log(finished - 1, row)
+            failed = finished - (row is not None)  # the update whose work failed
             stop = self.context.stop_requested() if exc.outage else None  # every rank is here
             if stop:  # the engines went down with the signal that stops the run (a preemption
                 # reaches the servers launched in the job too): checkpoint, and requeue / stop
                 if self.rank == 0:
-                    print(f"[megapkl.train] {stop} during update {finished}, whose engines "
+                    print(f"[megapkl.train] {stop} during update {failed}, whose engines "
                           f"stopped with it: {exc}", file=sys.stderr, flush=True)
-                path = self.checkpoints.save(finished) if finished else None
+                path, saved = self.checkpoints.save_finished(finished, then="continue")
                 if stop == PREEMPTION:
                     self.context.stop(stop, finished - 1, path)  # requeues: never returns
-                raise RunStopped(f"{stop} during update {finished - (row is not None)}, whose "
-                                 f"engines stopped with it; " + (
-                                     f"checkpoint {path} holds the {finished} finished updates: "
-                                     "continue with checkpoint.resume=true" if path else
-                                     "no update had finished, so there is nothing to checkpoint"))
+                raise RunStopped(f"{stop} during update {failed}, whose engines stopped with it; "
+                                 + saved)
             kind = EnginesStopped if exc.outage else RunStopped
-            raise kind(f"update {finished - (row is not None)}: {exc}; "
-                       + self.checkpoints.save_finished(finished)) from None
+            raise kind(f"update {failed}: {exc}; "
+                       + self.checkpoints.save_finished(finished)[1]) from None
 
     def rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         """Reward, accuracy, staleness, lengths and throughput of this update's minibatch (global)."""
