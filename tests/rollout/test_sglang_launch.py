@@ -196,3 +196,19 @@ def test_replicas_sharing_a_node_search_disjoint_ports():
             s.close()
     assert got[0] != got[1] and {p % 2 for p in got} == {base % 2, (base + 1) % 2}, got
     assert pick_ports("127.0.0.1", base, 2, stride=4) == [base, base + 1]  # closed: free again
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_routers_of_replicas_sharing_a_node_never_share_a_port(replicas):
+    """Each replica's router and its Prometheus listener: no port of one replica's pair is another
+    replica's (the routers start at the same time, so a port free now may be taken next)."""
+    from types import SimpleNamespace
+
+    from megapkl.rollout.sglang.launch import router_ports
+
+    from sglang_fixtures import free_port
+
+    sg = SimpleNamespace(host="127.0.0.1", base_port=free_port() - 1000)
+    pairs = [router_ports(sg, r, replicas) for r in range(replicas)]
+    ports = [p for pair in pairs for p in pair]
+    assert len(set(ports)) == len(ports), pairs

@@ -13,9 +13,10 @@ from typing import Any, Optional, Sequence
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
-from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address, pick_ports,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address,
                                            plan_servers, releases_memory, router_command,
-                                           server_command, slurm_nodes, this_node, wait_healthy)
+                                           router_ports, server_command, slurm_nodes, this_node,
+                                           wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
                                             identity)
@@ -150,10 +151,11 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
-            port = pick_ports(sg.host, sg.base_port + 1000 + replica, 1, stride=ctx.replicas)[0]
+            port, metrics = router_ports(sg, replica, ctx.replicas)
             url = f"http://{local_address(sg.host)}:{port}"
             fleet.router = ServerProcess("router", url, router_command(
-                sg, [w.url for w in workers], sg.host, port), work / "logs" / "router.log").start()
+                sg, [w.url for w in workers], sg.host, port, metrics),
+                work / "logs" / "router.log").start()
             fleet.router_url = url
             _wait_all([fleet.router], health, "rollout.sglang: sglang-router")
     except BaseException:

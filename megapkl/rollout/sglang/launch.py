@@ -171,10 +171,18 @@ def server_command(sg: Any, *, model_path: str, host: str, port: int,
     return cmd + list(sg.extra_args)
 
 
-def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int) -> list[str]:
+def router_ports(sg: Any, replica: int, replicas: int) -> tuple[int, int]:
+    """The router's port and its Prometheus listener's, searched as a pair from
+    base_port + 1000 + 2 * replica with stride 2 * replicas: the routers of replicas sharing a node
+    start at the same time, and one's metrics port must not be the next one's router port."""
+    port, metrics = pick_ports(sg.host, sg.base_port + 1000 + 2 * replica, 2, stride=2 * replicas)
+    return port, metrics
+
+
+def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int,
+                   metrics: int) -> list[str]:
     cmd = list(sg.router_command) if sg.router_command else [
         sys.executable, "-m", "sglang_router.launch_router"]
-    metrics = pick_ports(host, port + 1, 1)[0]  # its Prometheus listener must not collide
     return cmd + ["--worker-urls", *worker_urls, "--policy", sg.router_policy,
                   "--host", host, "--port", str(port), "--prometheus-host", host,
                   "--prometheus-port", str(metrics)]
