@@ -284,12 +284,18 @@ def settle_shape(config: str | os.PathLike, overrides: list[str], profile: Optio
     if extra:
         prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
                                    overrides=overrides)
+    return prep, with_dedicated_tasks(prep, prof)
+
+
+def with_dedicated_tasks(prep: PreparedRun, prof: ClusterProfile) -> ClusterProfile:
+    """`prof` with as many tasks per node as the run's trainer has ranks there when its SGLang
+    servers get GPUs of their own (unless the run config sets slurm.tasks_per_node)."""
     tasks = dedicated_tasks_per_node(prep.cfg) if prof.uses_gpus else None
-    if tasks is not None and "tasks_per_node" not in prep.slurm_explicit:
-        prof = prof.with_job({"tasks_per_node": tasks}, source=prep.config_path,
-                             key_names={"tasks_per_node": "tasks_per_node (trainer ranks per "
-                                                          "node beside dedicated SGLang GPUs)"})
-    return prep, prof
+    if tasks is None or "tasks_per_node" in prep.slurm_explicit:
+        return prof
+    return prof.with_job({"tasks_per_node": tasks}, source=prep.config_path,
+                         key_names={"tasks_per_node": "tasks_per_node (trainer ranks per "
+                                                      "node beside dedicated SGLang GPUs)"})
 
 
 def check_container(cfg: Any, prof: ClusterProfile, source: str) -> None:

@@ -28,7 +28,8 @@ from megapkl.launch.runconfig import prepare_run
 from megapkl.launch.submit import (IfExists, LaunchError, _now, _read_json, _write_json,
                                    job_profile, make_executor, make_spec, prepare_run_dir,
                                    read_metrics, record_job, resume_overrides, sbatch_parameters,
-                                   sbatch_script, shape_overrides, write_run_files)
+                                   sbatch_script, shape_overrides, with_dedicated_tasks,
+                                   write_run_files)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 SUMMARY_METRICS = ("loss", "reward/mean", "train/accuracy", "kl/prox_k3", "x")
@@ -130,6 +131,7 @@ def sweep(config: str | os.PathLike, profile: Optional[str], grid: Sequence[str]
             prep = dataclasses.replace(prepare_run(config, own + extra, cwd=cwd), overrides=own)
         check_fleet(prep.cfg, prep.config_path)
         preps.append(prep)
+    prof = one_shape(preps, prof)
     folder = sweep_dir / "submitit"
     params = sbatch_parameters(prof, base.cfg.slurm.job_name or base.name, folder)
     out = SweepSubmission(sweep_dir, [SweepElement(i, lab, ov, p.run_dir) for i, ((lab, ov), p)
@@ -164,6 +166,19 @@ def sweep(config: str | os.PathLike, profile: Optional[str], grid: Sequence[str]
                       "run_dir": str(e.run_dir), "job_id": str(e.job.job_id)}
                      for e in out.elements]})
     return out
+
+
+def one_shape(preps: Sequence[Any], prof: Any) -> Any:
+    """The array's profile: its elements share one job shape, with as many tasks per node as
+    their trainers have ranks there when the SGLang servers get GPUs of their own."""
+    shaped = [with_dedicated_tasks(p, prof) for p in preps]
+    tasks = sorted({s.job_tasks_per_node for s in shaped})
+    if len(tasks) > 1:
+        raise ConfigError(f"the grid's elements need different tasks per node ({tasks}: SGLang "
+                          "servers on GPUs of their own in some elements, or different trainer "
+                          "sizes), and the elements of one array job share one shape: sweep "
+                          "them separately", key="--grid", source="command line")
+    return shaped[0] if shaped else prof
 
 
 # ---- summary

@@ -153,6 +153,25 @@ def test_dedicated_sglang_gpus_shape_the_job(tmp_path):
     assert "4 replicas x 1 servers" in p.servers and "on GPUs of their own" in p.servers
 
 
+
+def test_a_sweep_of_dedicated_sglang_gpus_is_shaped_like_its_runs(tmp_path):
+    """A sweep's array job gets the shape `submit` gives each of its runs: one task per trainer
+    rank beside the servers' own GPUs; elements that need different shapes are refused."""
+    from megapkl.config.typed import ConfigError
+    from megapkl.launch.sweep import sweep
+
+    cfg = "configs/experiments/tetpo/qwen3_1p7b_grpo.yaml"
+    base = ["rollout.sglang.colocate=false", f"model.hf_checkpoint={tmp_path}"]
+    sub = sweep(cfg, "h100", ["seed=0,1"], [*base, f"run_dir={tmp_path / 'a'}"],
+                entry="megapkl.launch.toy:run", dry_run=True)
+    assert "#SBATCH --gpus-per-node=8" in sub.script
+    assert "#SBATCH --ntasks-per-node=4" in sub.script, sub.script
+    with pytest.raises(ConfigError, match="different tasks per node") as info:
+        sweep(cfg, "h100", ["rollout.sglang.colocate=false,true"],
+              [f"model.hf_checkpoint={tmp_path}", f"run_dir={tmp_path / 'b'}"],
+              entry="megapkl.launch.toy:run", dry_run=True)
+    assert info.value.key == "--grid"
+
 def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_them(tmp_path):
     """Launched colocated servers run with SGLang's memory saver and hand their memory back while
     the trainer trains; servers megapkl only connects to (urls) keep it."""
