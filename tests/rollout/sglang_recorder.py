@@ -92,6 +92,10 @@ class Recorder:
             self.group = open_update_group(body["backend"], body["master_address"],
                                            body["master_port"], body["world_size"],
                                            body["rank_offset"], body["group_name"], 30)
+        elif route == "destroy_weights_update_group":
+            if self.group is not None:
+                torch.distributed.destroy_process_group(self.group)
+                self.group = None
         elif route == "model_info":
             return 200, {"weight_version": self.version}
         return 200, {"success": True, "message": "ok"}

@@ -149,3 +149,41 @@ def test_disk_sync_names_a_loader_a_dummy_started_server_accepts(server, tmp_pat
     sync.push([Target(server.url)], _weights(), version=2)
     st = server.state()
     assert st["version"] == "2" and set(st["weights"]) == {n for n, _ in _weights()}
+
+
+def test_a_refused_bucket_fails_the_push_at_once(server):
+    """A server that refuses a distributed update never joins its broadcast: the push raises the
+    server's error without waiting the sync timeout for it, and the next push makes a new group."""
+    import time
+
+    sync = WeightSync(SyncSettings(mode="distributed", pause_mode="in_place", timeout_s=60))
+    sync.push([Target(server.url)], _weights(), version=1)
+    server.post("fail_on", {"route": "update_weights_from_distributed"})
+    t0 = time.monotonic()
+    with pytest.raises(WeightUpdateError, match="unknown weight 'model.bogus'"):
+        sync.push([Target(server.url)], _weights(1), version=2)
+    assert time.monotonic() - t0 < 30, "waited for the broadcast the server refused"
+    st = server.state()
+    assert "destroy_weights_update_group" in st["routes"] and not st["paused"]
+    server.post("fail_on", {"route": None})
+    server.post("clear")
+    sync.push([Target(server.url)], _weights(2), version=3)
+    st = server.state()
+    assert "init_weights_update_group" in st["routes"] and st["version"] == "3"
+    assert torch.equal(st["weights"]["model.norm.weight"], _weights(2)[2][1])
+    sync.close_group([Target(server.url)])
+
+
+def test_a_server_refusing_the_group_fails_the_push_at_once(server):
+    """A server that refuses /init_weights_update_group never joins the rendezvous: the push
+    raises its error without waiting the sync timeout, and generation continues."""
+    import time
+
+    server.post("fail_on", {"route": "init_weights_update_group"})
+    sync = WeightSync(SyncSettings(mode="distributed", pause_mode="in_place", timeout_s=60))
+    t0 = time.monotonic()
+    with pytest.raises(WeightUpdateError, match="unknown weight 'model.bogus'"):
+        sync.push([Target(server.url)], _weights(), version=1)
+    assert time.monotonic() - t0 < 30, "waited for a rendezvous the server refused"
+    st = server.state()
+    assert st["routes"][-1] == "continue_generation" and not st["paused"]

@@ -33,8 +33,9 @@ import json
 import shutil
 import socket
 import threading
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -217,8 +218,6 @@ class WeightSync:
 
     def _flush(self, url: str) -> None:
         """flush_cache is refused while requests still run (retract/in_place pause): retry."""
-        import time
-
         for attempt in range(self.s.flush_retries):
             try:
                 self._call(url, "flush_cache")
@@ -360,11 +359,30 @@ class WeightSync:
         bodies = {t.url: {"master_address": self.s.group_address, "master_port": port,
                           "rank_offset": off, "world_size": world, "group_name": name,
                           "backend": backend} for t, off in zip(targets, offsets)}
+        made: dict[str, Any] = {}
+
+        def rendezvous() -> None:
+            try:
+                made["pg"] = open_update_group(backend, self.s.group_address, port, world, 0,
+                                               name, self.s.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                made["error"] = exc
+
         with ThreadPoolExecutor(len(targets)) as pool:  # the servers join while we rendezvous
             futures = [pool.submit(self._call, t.url, "init_weights_update_group", bodies[t.url])
                        for t in targets]
-            pg = open_update_group(backend, self.s.group_address, port, world, 0, name,
-                                   self.s.timeout_s)
+            # in a thread of its own: a server that refuses to join answers at once, and the
+            # rendezvous would wait for it until timeout_s (the thread gives up by then)
+            joining = threading.Thread(target=rendezvous, daemon=True)
+            joining.start()
+            while joining.is_alive():
+                for f in futures:
+                    if f.done() and f.exception() is not None:
+                        f.result()
+                joining.join(0.005)
+            if "error" in made:
+                raise made["error"]
+            pg = made["pg"]
             for f in futures:
                 f.result()
         self._group = (membership, pg, name)
@@ -403,9 +421,36 @@ class WeightSync:
             with ThreadPoolExecutor(len(targets)) as pool:
                 futures = [pool.submit(self._call, t.url, "update_weights_from_distributed", body)
                            for t in targets]
-                dist.broadcast(flat, src=0, group=pg)
+                self._broadcast(dist.broadcast(flat, src=0, group=pg, async_op=True), futures)
                 for f in futures:
                     f.result()
+
+    def _broadcast(self, work: Any, answers: Sequence[Future]) -> None:
+        """Wait for the broadcast of a bucket, unless a server refuses it first: a server that
+        answered an error never joins, and the broadcast would wait for it until timeout_s. Then
+        the group is given up (aborted, left by the servers) and the server's error raised."""
+        while not work.is_completed():
+            refused = next((f for f in answers if f.done() and f.exception() is not None), None)
+            if refused is not None:
+                self._abandon_group()
+                refused.result()
+            time.sleep(0.005)
+        work.wait()
+
+    def _abandon_group(self) -> None:
+        """Drop a group whose broadcast is still pending: abort it, so that nothing waits on it,
+        tell the servers to leave it, and let it be destroyed in the background (destroying a
+        group with a pending operation waits until every member has left)."""
+        members, pg, name = self._group
+        self._group = None
+        if hasattr(pg, "abort"):
+            pg.abort()
+        for url, _ in members:
+            try:
+                self._call(url, "destroy_weights_update_group", {"group_name": name})
+            except (http.ServerError, http.ServerUnreachable):
+                pass
+        threading.Thread(target=_destroy_group, args=(pg,), daemon=True).start()
 
     # ------------------------------------------------------------------ disk
     def _export(self, stream: Iterator[NamedTensors], version: int) -> Path:
@@ -434,3 +479,12 @@ class WeightSync:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         return path
+
+
+def _destroy_group(pg: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001 - an aborted group may refuse; it holds nothing of ours
+        pass
