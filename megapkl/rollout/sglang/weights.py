@@ -376,9 +376,7 @@ class WeightSync:
             joining = threading.Thread(target=rendezvous, daemon=True)
             joining.start()
             while joining.is_alive():
-                for f in futures:
-                    if f.done() and f.exception() is not None:
-                        f.result()
+                raise_refusal(futures)
                 joining.join(0.005)
             if "error" in made:
                 raise made["error"]
@@ -388,22 +386,26 @@ class WeightSync:
         self._group = (membership, pg, name)
         return pg, name
 
-    def close_group(self, targets: Sequence[Target] = ()) -> None:
-        """Tell the members of the current group to leave it (best effort) and drop ours."""
+    def close_group(self, targets: Sequence[Target] = (), pending: bool = False) -> None:
+        """Tell the members of the current group to leave it (best effort) and drop ours. With
+        `pending` (a broadcast still waits on it), ours is aborted first, so that nothing waits on
+        it, and destroyed in the background: destroying a group with a pending operation waits
+        until every member has left."""
         if self._group is None:
             return
         members, pg, name = self._group
         self._group = None
+        if pending and hasattr(pg, "abort"):
+            pg.abort()
         for url in dict.fromkeys([u for u, _ in members] + [t.url for t in targets]):
             try:
                 self._call(url, "destroy_weights_update_group", {"group_name": name})
             except (http.ServerError, http.ServerUnreachable):
                 pass
-        try:
-            import torch.distributed as dist
-            dist.destroy_process_group(pg)
-        except Exception:  # noqa: BLE001 - a half-made group has nothing to release
-            pass
+        if pending:
+            threading.Thread(target=_destroy_group, args=(pg,), daemon=True).start()
+        else:
+            _destroy_group(pg)
 
     def _send_distributed(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
         import torch.distributed as dist
@@ -430,27 +432,13 @@ class WeightSync:
         answered an error never joins, and the broadcast would wait for it until timeout_s. Then
         the group is given up (aborted, left by the servers) and the server's error raised."""
         while not work.is_completed():
-            refused = next((f for f in answers if f.done() and f.exception() is not None), None)
-            if refused is not None:
-                self._abandon_group()
-                refused.result()
+            try:
+                raise_refusal(answers)
+            except BaseException:
+                self.close_group(pending=True)
+                raise
             time.sleep(0.005)
         work.wait()
-
-    def _abandon_group(self) -> None:
-        """Drop a group whose broadcast is still pending: abort it, so that nothing waits on it,
-        tell the servers to leave it, and let it be destroyed in the background (destroying a
-        group with a pending operation waits until every member has left)."""
-        members, pg, name = self._group
-        self._group = None
-        if hasattr(pg, "abort"):
-            pg.abort()
-        for url, _ in members:
-            try:
-                self._call(url, "destroy_weights_update_group", {"group_name": name})
-            except (http.ServerError, http.ServerUnreachable):
-                pass
-        threading.Thread(target=_destroy_group, args=(pg,), daemon=True).start()
 
     # ------------------------------------------------------------------ disk
     def _export(self, stream: Iterator[NamedTensors], version: int) -> Path:
@@ -481,10 +469,17 @@ class WeightSync:
         return path
 
 
+def raise_refusal(answers: Sequence[Future]) -> None:
+    """Raise the error of the first server that has already answered with one."""
+    for f in answers:
+        if f.done() and f.exception() is not None:
+            f.result()
+
+
 def _destroy_group(pg: Any) -> None:
     import torch.distributed as dist
 
     try:
         dist.destroy_process_group(pg)
-    except Exception:  # noqa: BLE001 - an aborted group may refuse; it holds nothing of ours
+    except Exception:  # noqa: BLE001 - a half-made or aborted group has nothing to release
         pass
