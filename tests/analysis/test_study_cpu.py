@@ -1,6 +1,7 @@
 """tools/study_cpu.py: the declared study plans and validates as written, and its verdicts follow
 the declared rule from per-seed summaries (paired tests, Holm within the family)."""
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -96,3 +97,60 @@ def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
     study.analyze(tmp_path / "docs", None)
     assert capsys.readouterr().out == first
     assert "| tetpo - gepo at tetpo_u16 | 0.2 |" in first and "**Verdict: supported" in first
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_the_reported_numbers_are_recomputed_from_the_committed_summaries(capsys):
+    """Every declared test, descriptive difference and per-method summary that `analyze` computes
+    from the committed per-seed JSON (docs/study-cpu/) stands in docs/study-cpu.md with the same
+    effect, interval and Holm p, and each family's section states the same verdict."""
+    docs = ROOT / "docs" / "study-cpu"
+    study.analyze(docs, None)
+    printed = capsys.readouterr().out
+    text = (ROOT / "docs" / "study-cpu.md").read_text()
+    rows = [_cells(ln) for ln in text.splitlines() if ln.startswith("| ")]
+    checked = 0
+    for key, fam in study.FAMILIES.items():
+        if not fam.tests or not all((docs / f"{s.name}.json").exists() for s in fam.settings):
+            continue
+        part = printed[printed.index(f"### {key}:"):]
+        part = part[:part.index("\n### ")] if "\n### " in part else part
+        for ln in part.splitlines():
+            c = _cells(ln)
+            if ln.startswith("| ") and c[0] in map(study.label, fam.settings[0].methods):  # a method's summary
+                assert any(r[0] == c[0] and c[1] in r for r in rows), (key, ln)
+                checked += 1
+            elif ln.startswith("| ") and " at " in c[0]:  # effect, t interval, Holm p
+                assert any(c[1] in r and c[2] in r and c[5] in r for r in rows), (key, ln)
+                checked += 1
+        said = part[part.index("**Verdict: ") + 11:].split(":")[0]  # e.g. "not resolved"
+        how_many = re.search(r"(\d+ of \d+)", part[part.index("**Verdict: "):])
+        section = text[text.index(f"### {key.upper()} family"):]
+        section = section[:section.index("\n### ")] if "\n### " in section else section
+        verdict_line = " ".join(section[section.index("**Verdict on"):][:200].split())
+        assert said in verdict_line and (how_many is None or how_many.group(1) in verdict_line), \
+            (key, said, verdict_line)
+    assert checked >= 41  # 16 + 12 method rows, 4 + 4 + 3 declared tests, 8 + 2 descriptive
+
+
+def test_the_reported_aggregates_are_recomputed_from_the_committed_summaries():
+    """The IQM and probability-of-improvement table of docs/study-cpu.md matches the committed JSON."""
+    import json
+
+    text = (ROOT / "docs" / "study-cpu.md").read_text()
+    table = text[text.index("### Aggregates"):text.index("## Wall time")]
+    rows = [_cells(ln) for ln in table.splitlines() if " at " in ln and ln.startswith("| ")]
+    assert len(rows) == 15
+    for name, iqm_a, iqm_b, prob in rows:
+        pair, setting = name.split(" at ")
+        a, b = pair.split(" - ")
+        m = json.loads((ROOT / "docs" / "study-cpu" / f"{setting}.json").read_text())
+        m = m["summary"]["metrics"][study.PRIMARY]
+        assert f"{m['methods'][a]['auc']['iqm']:.3g}" == iqm_a, name
+        assert f"{m['methods'][b]['auc']['iqm']:.3g}" == iqm_b, name
+        ab = [q["prob_improvement"] for q in m["pairs"]["auc"] if (q["a"], q["b"]) == (a, b)]
+        ba = [1 - q["prob_improvement"] for q in m["pairs"]["auc"] if (q["a"], q["b"]) == (b, a)]
+        assert f"{(ab + ba)[0]:.2f}" == prob, name
