@@ -23,7 +23,9 @@ from .test_slurm_trainer import _interrupt_when, comparable
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
-STEPS = 16
+# 48 updates of about 0.2 s: a window of several seconds between the third row and the end
+# of the run for the interrupt to land in (16 updates left about 2.5 s).
+STEPS = 48
 SERVE = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
          "--host", "{host}", "--port", "{port}", "--log-level", "warning"]
 SERVERS = ["rollout.engine=sglang", "rollout.sglang.colocate=false",

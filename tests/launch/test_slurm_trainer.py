@@ -100,13 +100,18 @@ def _events(run_dir: Path) -> list[str]:
 
 def _interrupt_when(sub, run_dir: Path, events: list[str], rows: int, what: str) -> None:
     """`job._interrupt()` (a Slurm preemption) once events.jsonl reads `events` and metrics.jsonl
-    has `rows` rows: the running trainer is past its preemption handler's installation."""
-    deadline = time.time() + 240
-    while _events(run_dir) != events or len(read_metrics(run_dir)) < rows:
-        assert time.time() < deadline, f"{what}: events {_events(run_dir)}, " \
-                                       f"{len(read_metrics(run_dir))} rows"
-        assert not sub.job.done() and "done" not in _events(run_dir), (
-            f"{what}: the trainer job ended before it could be interrupted ({STEPS} updates)")
+    has `rows` rows: the running trainer is past its preemption handler's installation.
+
+    The files are polled every 50 ms; the job's Slurm state (an sacct call, which can take seconds
+    on a loaded machine) only every 5 s, to catch a trainer that died without a `done` event. A
+    slow sacct inside every poll could let a short run finish unseen between two reads."""
+    deadline, next_state_check = time.time() + 240, time.time() + 5
+    while (seen := _events(run_dir)) != events or len(read_metrics(run_dir)) < rows:
+        assert time.time() < deadline, f"{what}: events {seen}, {len(read_metrics(run_dir))} rows"
+        assert "done" not in seen, f"{what}: the trainer finished before it could be interrupted"
+        if time.time() > next_state_check:
+            assert not sub.job.done(), f"{what}: the job ended (events {seen}) before the interrupt"
+            next_state_check = time.time() + 5
         time.sleep(0.05)
     sub.job._interrupt()
 
@@ -196,12 +201,7 @@ def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
     ref_sub, ref = trainer_reference
     run_dir = launch_tmp / f"trainer_preempted_{profile}"
     sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
-    deadline = time.time() + 240
-    while len(read_metrics(run_dir)) < 2:  # training, past the preemption handler's installation
-        assert time.time() < deadline, "the trainer job never logged update 1"
-        assert not sub.job.done(), "the trainer job ended before it could be interrupted"
-        time.sleep(0.1)
-    sub.job._interrupt()
+    _interrupt_when(sub, run_dir, ["start"], 2, "trainer job")  # past the handler's installation
     results = wait_done(sub.job, 300, "preempted trainer job")
     events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events == ["start", "requeued", "start", "done"], (
