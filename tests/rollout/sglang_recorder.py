@@ -43,6 +43,7 @@ class Recorder:
         self.paused = self.session = False
         self.group = None
         self.fail_on: str | None = None
+        self.fail_after: str | None = None  # handled, then answered with an error
         self.load_format = load_format
         self.health_delay = health_delay
         self.busy = 0  # requests being generated (health probes included)
@@ -188,10 +189,16 @@ def make_server(rec: Recorder, port: int = 0) -> ThreadingHTTPServer:
             if route == "fail_on":
                 rec.fail_on = body["route"]
                 return self._send(200, {})
+            if route == "fail_after":
+                rec.fail_after = body["route"]
+                return self._send(200, {})
             if route == "clear":
                 rec.routes.clear()
                 return self._send(200, {})
-            self._send(*rec.handle(route, body))
+            status, out = rec.handle(route, body)
+            if route == rec.fail_after:
+                status, out = 400, {"success": False, "message": f"{route} done, then failed"}
+            self._send(status, out)
 
         def _send(self, status, out):
             data = json.dumps(out).encode()

@@ -209,6 +209,17 @@ def test_bad_input_names_the_key(engine, reference):
                                                                  topk_logprobs=100000))
 
 
+def test_urls_serving_other_flags_are_refused_before_any_request(engine, tmp_path):
+    """Servers named by urls are compared with the run config when the engine connects
+    (served.py, contract-tested against SGLang's own /server_info in tests/contract): the
+    fixture's workers are `megapkl serve` stand-ins at TP 1 serving tiny-qwen3."""
+    urls = [f"rollout.sglang.urls={json.dumps([w.url for w in engine.fleet.workers])}"]
+    _build(_cfg(tmp_path, urls)).close()  # the same flags: it connects
+    with pytest.raises(ServerLaunchError, match=r"^rollout.sglang.urls\[0\]: http://\S+ was "
+                       r"started with --tp-size 1, rollout.sglang.tp is 2 "):
+        _build(_cfg(tmp_path, [*urls, "rollout.sglang.tp=2"]))
+
+
 def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
     live = engine.fleet.workers[1].url
     fast = ["rollout.sglang.startup_timeout_s=2", "rollout.sglang.health_interval_s=0.2"]

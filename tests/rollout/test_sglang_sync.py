@@ -26,13 +26,29 @@ class Server:
         http.request(self.url, "/" + route, body or {}, method="POST", timeout=30)
 
 
-@pytest.fixture
-def server():
-    ctx = mp.get_context("fork")
+def _start(method: str):
+    ctx = mp.get_context(method)
     q = ctx.Queue()
     proc = ctx.Process(target=serve, args=(q,), daemon=True)
     proc.start()
-    yield Server(f"http://127.0.0.1:{q.get(timeout=30)}")
+    return proc, Server(f"http://127.0.0.1:{q.get(timeout=120)}")
+
+
+@pytest.fixture
+def server():
+    proc, srv = _start("fork")
+    yield srv
+    proc.kill()
+    proc.join()
+
+
+@pytest.fixture
+def spawned_server():
+    """A server that shares no state with this process: a fork taken while a background thread
+    here holds a lock of torch.distributed (an aborted group's destroy, from an earlier test)
+    inherits that lock held, and its own group rendezvous then never ends."""
+    proc, srv = _start("spawn")
+    yield srv
     proc.kill()
     proc.join()
 
@@ -187,3 +203,25 @@ def test_a_server_refusing_the_group_fails_the_push_at_once(server):
     assert time.monotonic() - t0 < 30, "waited for a rendezvous the server refused"
     st = server.state()
     assert st["routes"][-1] == "continue_generation" and not st["paused"]
+
+
+def test_a_group_made_before_a_refusal_is_destroyed_on_both_sides(spawned_server):
+    """A server that joins the group and then answers /init_weights_update_group with an error:
+    the push fails, and the group our rendezvous made anyway is destroyed (not left registered
+    in this process), and the server is told to leave it."""
+    import time
+
+    from torch.distributed import distributed_c10d as c10d
+
+    before = set(c10d._world.pg_map)  # (groups of earlier tests may still be going)
+    spawned_server.post("fail_after", {"route": "init_weights_update_group"})
+    sync = WeightSync(SyncSettings(mode="distributed", pause_mode="in_place", timeout_s=30))
+    with pytest.raises(WeightUpdateError, match="init_weights_update_group done, then failed"):
+        sync.push([Target(spawned_server.url)], _weights(), version=1)
+    deadline = time.monotonic() + 30  # a rendezvous thread that completes late destroys its own
+    while set(c10d._world.pg_map) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(c10d._world.pg_map) - before, "the group made for the failed push is left"
+    routes = spawned_server.state()["routes"]
+    assert routes.index("init_weights_update_group") < routes.index("destroy_weights_update_group")
+    spawned_server.post("fail_after", {"route": None})

@@ -18,6 +18,7 @@ from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, loc
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
+from megapkl.rollout.sglang.served import Expected, check_served, expected
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
                                             identity)
 
@@ -164,8 +165,9 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
     return fleet
 
 
-def connect_fleet(sg: Any) -> Fleet:
-    """Servers someone else started: each must answer /health within startup_timeout_s."""
+def connect_fleet(sg: Any, want: Expected) -> Fleet:
+    """Servers someone else started: each must answer /health within startup_timeout_s and
+    serve what `want` asks (served.py); the router only /health."""
     health = health_settings(sg)
     fleet = Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url)
     named = [(f"rollout.sglang.urls[{i}]", u) for i, u in enumerate(sg.urls)]
@@ -179,6 +181,8 @@ def connect_fleet(sg: Any) -> Fleet:
                          timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
         except ServerLaunchError as exc:
             raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
+        if key != "rollout.sglang.router_url":
+            check_served(key, url, want, timeout_s=health.timeout_s)
     with ThreadPoolExecutor(len(named)) as pool:
         for f in [pool.submit(one, x) for x in named]:
             f.result()
@@ -200,7 +204,10 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     work = Path(ctx.work_dir) / "sglang"
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
-    fleet = connect_fleet(sg) if sg.urls else launch_fleet(rollout, ctx, hf_config, work, tokenizer)
+    if sg.urls:
+        fleet = connect_fleet(sg, expected(rollout, ctx))
+    else:
+        fleet = launch_fleet(rollout, ctx, hf_config, work, tokenizer)
     fleet.stopping = ctx.stopping
     sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                       transform=transform or identity,

@@ -360,31 +360,56 @@ class WeightSync:
                           "rank_offset": off, "world_size": world, "group_name": name,
                           "backend": backend} for t, off in zip(targets, offsets)}
         made: dict[str, Any] = {}
+        lock = threading.Lock()
 
         def rendezvous() -> None:
             try:
-                made["pg"] = open_update_group(backend, self.s.group_address, port, world, 0,
-                                               name, self.s.timeout_s)
+                pg = open_update_group(backend, self.s.group_address, port, world, 0, name,
+                                       self.s.timeout_s)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 made["error"] = exc
+                return
+            with lock:  # completed after the caller gave up (a refusal): nobody else holds it
+                if made.get("abandoned"):
+                    _destroy_group(pg)
+                else:
+                    made["pg"] = pg
 
-        with ThreadPoolExecutor(len(targets)) as pool:  # the servers join while we rendezvous
-            futures = [pool.submit(self._call, t.url, "init_weights_update_group", bodies[t.url])
-                       for t in targets]
-            # in a thread of its own: a server that refuses to join answers at once, and the
-            # rendezvous would wait for it until timeout_s (the thread gives up by then)
-            joining = threading.Thread(target=rendezvous, daemon=True)
-            joining.start()
-            while joining.is_alive():
-                raise_refusal(futures)
-                joining.join(0.005)
-            if "error" in made:
-                raise made["error"]
-            pg = made["pg"]
-            for f in futures:
-                f.result()
+        try:
+            with ThreadPoolExecutor(len(targets)) as pool:  # the servers join while we rendezvous
+                futures = [pool.submit(self._call, t.url, "init_weights_update_group",
+                                       bodies[t.url]) for t in targets]
+                # in a thread of its own: a server that refuses to join answers at once, and the
+                # rendezvous would wait for it until timeout_s (the thread gives up by then)
+                joining = threading.Thread(target=rendezvous, daemon=True)
+                joining.start()
+                while joining.is_alive():
+                    raise_refusal(futures)
+                    joining.join(0.005)
+                if "error" in made:
+                    raise made["error"]
+                for f in futures:
+                    f.result()
+        except BaseException:
+            self._abandon(targets, name, made, lock)
+            raise
+        pg = made["pg"]
         self._group = (membership, pg, name)
         return pg, name
+
+    def _abandon(self, targets: Sequence[Target], name: str, made: dict, lock: Any) -> None:
+        """A group whose making failed: ours is destroyed now or, if its rendezvous completes
+        later, by the rendezvous thread; members that joined are told to leave (best effort)."""
+        with lock:
+            made["abandoned"] = True
+            pg = made.pop("pg", None)
+        if pg is not None:
+            _destroy_group(pg)
+        for t in targets:
+            try:
+                self._call(t.url, "destroy_weights_update_group", {"group_name": name})
+            except (http.ServerError, http.ServerUnreachable):
+                pass
 
     def close_group(self, targets: Sequence[Target] = (), pending: bool = False) -> None:
         """Tell the members of the current group to leave it (best effort) and drop ours. With
