@@ -21,6 +21,10 @@ CASES = [
     ("unknown-list-item", "eval:\n  benchmarks:\n    - {name: aime24, greddy: true}\n", [],
      "eval.benchmarks[0].greddy", "run.yaml", 4, "did you mean 'greedy'"),
     ("type-number", "train:\n  lr: fast\n", [], "train.lr", "run.yaml", 3, "expected a number"),
+    ("retired-at-another-value", "logging:\n  jsonl: true\n  every: 10\n", [], "logging.every",
+     "run.yaml", 4, "removed key 'every' (every update is logged): it can only be 1"),
+    ("retired-wrong-type", "logging:\n  jsonl: 1\n", [], "logging.jsonl", "run.yaml", 3,
+     "it can only be True"),
     ("type-bool", "data:\n  shuffle: 3\n", [], "data.shuffle", "run.yaml", 3, "boolean"),
     ("type-section", "rollout: 5\n", [], "rollout", "run.yaml", 2, "expected a mapping"),
     ("range-top-p", "rollout:\n  top_p: 1.5\n", [], "rollout.top_p", "run.yaml", 3, "<= 1.0"),
@@ -182,3 +186,16 @@ def test_yaml_syntax_error_line(tmp_path, monkeypatch):
     assert info.value.source == "run.yaml"
     assert info.value.line == 5
     assert str(info.value).startswith("run.yaml:5: YAML syntax error")
+
+
+def test_a_run_config_written_by_an_older_version_still_loads(tmp_path):
+    """<run_dir>/config.yaml of runs made before logging.jsonl and logging.every were removed
+    holds them at the values that are now always the behaviour: it loads as the same config."""
+    from megapkl.config import dump_config
+
+    cfg = load_config("configs/demo/cpu_demo.yaml", [f"run_dir={tmp_path}"])
+    text = dump_config(cfg)
+    old = text.replace("logging:\n", "logging:\n  jsonl: true\n  every: 1\n", 1)
+    assert old != text
+    (tmp_path / "config.yaml").write_text(old)
+    assert dump_config(load_config(str(tmp_path / "config.yaml"))) == text

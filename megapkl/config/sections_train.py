@@ -9,7 +9,7 @@ import math
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from megapkl.config.typed import rng
 
@@ -199,6 +199,11 @@ class LoggingConfig:
     ema_alpha: float = field(default=0.1, metadata=rng(0.0, 1.0, lo_open=True))
     progress_bar: bool = True  # a progress line on the terminal (rank 0)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    # Keys older versions wrote into <run_dir>/config.yaml: accepted at the value that is now
+    # always the behaviour (so those runs still resume), refused at any other.
+    RETIRED: ClassVar[dict] = {"jsonl": (True, "metrics.jsonl is always written"),
+                               "every": (1, "every update is logged")}
 
 
 @dataclass

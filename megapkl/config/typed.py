@@ -169,8 +169,14 @@ def build(cls: type, mapping: typing.Mapping[str, Any], *, key: str = "", source
         _fail(f"expected a mapping, got {mapping!r}", key, source)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    retired = getattr(cls, "RETIRED", {})
     for name in mapping:
-        if name not in fields:
+        if name in retired and name not in fields:
+            kept, why = retired[name]
+            if type(mapping[name]) is not type(kept) or mapping[name] != kept:
+                _fail(f"removed key '{name}' ({why}): it can only be {kept!r}; delete it",
+                      join(key, str(name)), source)
+        elif name not in fields:
             _fail(f"unknown key '{name}'{suggest(str(name), fields)}", join(key, str(name)), source)
     kwargs = {}
     for name, f in fields.items():
