@@ -413,9 +413,24 @@ def check_fleet(cfg, source: str = "") -> str:
     except PlacementError as exc:  # the message names the keys
         raise ConfigError(str(exc), source=source) from None
     where = "colocated on the replicas' GPUs" if sg.colocate else "on GPUs of their own"
+    used = dp * sg.num_engines * sg.tp
     return (f"SGLang: {dp} replicas x {sg.num_engines} servers (rollout.sglang.num_engines) of "
-            f"{sg.tp} GPU(s) = {dp * sg.num_engines} servers on {dp * sg.num_engines * sg.tp} "
-            f"GPUs, {where}")
+            f"{sg.tp} GPU(s) = {dp * sg.num_engines} servers on {used} GPUs, {where}"
+            + (_idle_note(lay, world, used) if sg.colocate else ""))
+
+
+def _idle_note(lay, world: int, used: int) -> str:
+    """Training GPUs that generate nothing: a colocated fleet only has its replica leader's node
+    (its servers take the weights through shared memory or CUDA IPC, which stay on one host)."""
+    from megapkl.rollout.sglang.placement import colocated_gpus
+
+    if used >= world:
+        return ""
+    on_leader = len(colocated_gpus(lay, 0))
+    per_replica = lay.tp * lay.cp * lay.pp
+    why = (f"a colocated fleet runs on its replica leader's node, {on_leader} of the replica's "
+           f"{per_replica} GPUs" if on_leader < per_replica else "rollout.sglang.num_engines")
+    return f"; {world - used} of the {world} training GPUs hold no server ({why})"
 
 
 def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),

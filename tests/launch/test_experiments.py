@@ -187,3 +187,19 @@ def test_paper_values_fixed_against_the_papers() -> None:
     c = cfg("pkl_staleness/qwen3_1p7b_grpo_s4_lr1e-5_clip04.yaml")
     assert (c.objective.eps_clip_low, c.objective.eps_clip_high, c.train.lr) == (0.4, 0.4, 1e-5)
     assert cfg("pkl_staleness/qwen3_1p7b_seq_is_s16.yaml").rollout.max_staleness == 16
+
+
+def test_plan_says_how_many_training_gpus_hold_no_server() -> None:
+    """A colocated fleet only has its replica leader's node: the 32B runs (TP 8 x CP 2 x PP 2,
+    2 replicas of 32 GPUs on 8 nodes) generate on 2 x 2 servers x 4 GPUs = 16 of 64 GPUs, and
+    the leader's node holds ranks 0-7 of replica 0's 0-15 and 32-47."""
+    from megapkl.launch.plan import check_fleet
+
+    line = check_fleet(load_config(ROOT / "pkl_periodic/qwen3_32b_pkl.yaml"))
+    assert line.endswith("= 4 servers on 16 GPUs, colocated on the replicas' GPUs; 48 of the 64 "
+                         "training GPUs hold no server (a colocated fleet runs on its replica "
+                         "leader's node, 8 of the replica's 32 GPUs)"), line
+    assert "hold no server" not in check_fleet(load_config(ROOT / "pkl_periodic/qwen3_8b_pkl.yaml"))
+    one = load_config(ROOT / "pkl_periodic/qwen3_1p7b_pkl.yaml", ["rollout.sglang.num_engines=1"])
+    assert check_fleet(one).endswith("; 4 of the 8 training GPUs hold no server "
+                                     "(rollout.sglang.num_engines)")
