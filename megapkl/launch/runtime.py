@@ -251,6 +251,17 @@ def configure_threads() -> int:
     return n
 
 
+def rendezvous_port(job_id: str, restart: int) -> int:
+    """The job's MASTER_PORT, which every task computes alike from the job id and the restart
+    count: in 20000-29999, below Linux's ephemeral range (32768-60999 unless changed), so that no
+    outgoing connection on the node holds it, and below the servers' base_port (30000); and a new
+    one at each requeue, so that a socket of the attempt before, still closing, cannot hold it.
+    (submitit's own default draws from 20000-60000 by job id alone.)"""
+    import zlib
+
+    return 20000 + zlib.crc32(f"{job_id}:{restart}".encode()) % 10000
+
+
 def init_distributed(use_gpus: bool, timeout_s: float = 600.0) -> dict[str, Any]:
     """Export MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from Slurm (submitit) and initialize
     the default process group: NCCL on GPUs, gloo on CPU. Returns the layout."""
@@ -263,6 +274,9 @@ def init_distributed(use_gpus: bool, timeout_s: float = 600.0) -> dict[str, Any]
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun: it exported everything already
         env = _TorchrunEnv()
     else:
+        if "MASTER_PORT" not in os.environ and os.environ.get("SLURM_JOB_ID"):
+            os.environ["MASTER_PORT"] = str(rendezvous_port(
+                os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT") or 0)))
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if use_gpus:
         if not torch.cuda.is_available():

@@ -118,7 +118,11 @@ def sbatch_parameters(prof: ClusterProfile, job_name: str,
             p[key] = value
     if prof.exclusive:
         p["exclusive"] = True
-    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
+    # sbatch hands the job the submitting shell's environment: a rendezvous address meant for
+    # that shell (a torchrun or an interactive job) would make every job meet on one port; the
+    # job picks its own (runtime.rendezvous_port) unless the profile's env sets one.
+    setup = ["unset MASTER_ADDR MASTER_PORT"]
+    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
     srun_args = list(prof.srun_args)
     if folder is not None:
         from megapkl.launch.runtime import host_requeue_lines

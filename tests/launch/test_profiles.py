@@ -330,3 +330,14 @@ def test_dedicated_servers_on_several_nodes_need_a_slurm_client(tmp_path: Path) 
            ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 's'}",
             f"model.hf_checkpoint={tmp_path}"], entry=TOY,
            dry_run=True, force=True)
+
+
+def test_the_rendezvous_port_is_the_same_in_every_task_and_new_at_each_requeue() -> None:
+    """Every task derives MASTER_PORT from the job id and restart count alone (the Slurm run of
+    it: test_slurm_async.py), below the ephemeral port range and the servers' base_port."""
+    from megapkl.launch.runtime import rendezvous_port
+
+    ports = [[rendezvous_port(str(job), r) for r in range(4)] for job in (7, 1234, 987654)]
+    assert all(20000 <= p < 30000 for row in ports for p in row), ports
+    assert all(len(set(row)) == 4 for row in ports), ports
+    assert [rendezvous_port("1234", r) for r in range(4)] == ports[1]

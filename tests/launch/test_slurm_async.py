@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megapkl.launch import jobs
+from megapkl.launch.runtime import rendezvous_port
 from megapkl.launch.submit import read_metrics, submit
 
 from .conftest import TINY, wait_done, wait_state
@@ -42,7 +43,9 @@ def _run(launch_tmp: Path, name: str, *extra: str):
 
 
 def test_preemption_with_batches_generated_ahead_requeues_and_resumes_the_sync_run(
-        launch_tmp: Path) -> None:
+        launch_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a rendezvous port in the submitting shell (as under torchrun) is not the jobs' to use
+    monkeypatch.setenv("MASTER_PORT", "1")
     ref_dir, ref = _run(launch_tmp, "async_reference_sync", "rollout.sglang.base_port=37300")
     ref_results = wait_done(ref.job, 300, "synchronous reference job")
 
@@ -50,8 +53,13 @@ def test_preemption_with_batches_generated_ahead_requeues_and_resumes_the_sync_r
                         "rollout.sglang.base_port=37400")
     _interrupt_when(sub, run_dir, ["start"], 3, "asynchronous job")  # training, generating ahead
     results = wait_done(sub.job, 300, "preempted asynchronous job")
-    events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = [r["event"] for r in records]
     assert events == ["start", "requeued", "start", "done"], events
+    # each attempt meets on the port of its job id and restart count, a new one after the requeue
+    ports = [int(r["master"].rsplit(":", 1)[1]) for r in records if r["event"] == "start"]
+    assert ports == [rendezvous_port(sub.job_id, 0), rendezvous_port(sub.job_id, 1)], ports
+    assert ports[0] != ports[1] and all(20000 <= p < 30000 for p in ports), ports
 
     err = (run_dir / "submitit" / f"{sub.job_id}_0_log.err").read_text()
     found = re.findall(r"\[megapkl\.train\] resumed from the step-(\d+) checkpoint", err)
