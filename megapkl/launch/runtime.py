@@ -277,7 +277,9 @@ def init_distributed(use_gpus: bool, timeout_s: float = 600.0) -> dict[str, Any]
         if "MASTER_PORT" not in os.environ and os.environ.get("SLURM_JOB_ID"):
             os.environ["MASTER_PORT"] = str(rendezvous_port(
                 os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT") or 0)))
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # overwrite: the task's rank and world come from Slurm, whatever the environment held
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
+                                                                    overwrite=True)
     if use_gpus:
         if not torch.cuda.is_available():
             raise RuntimeError("the profile asks for GPUs but CUDA is not available in this task "

@@ -118,10 +118,11 @@ def sbatch_parameters(prof: ClusterProfile, job_name: str,
             p[key] = value
     if prof.exclusive:
         p["exclusive"] = True
-    # sbatch hands the job the submitting shell's environment: a rendezvous address meant for
-    # that shell (a torchrun or an interactive job) would make every job meet on one port; the
-    # job picks its own (runtime.rendezvous_port) unless the profile's env sets one.
-    setup = ["unset MASTER_ADDR MASTER_PORT"]
+    # sbatch hands the job the submitting shell's environment: a rendezvous port meant for that
+    # shell (a torchrun, an interactive job) would make every job meet on one port, and
+    # torchrun's run id would make the tasks read torchrun's variables; the job picks its own
+    # port (runtime.rendezvous_port) unless the profile's env sets one.
+    setup = ["unset MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID"]
     setup += [f"export {k}={shlex.quote(str(v))}" for k, v in prof.env.items()] + list(prof.setup)
     srun_args = list(prof.srun_args)
     if folder is not None:
