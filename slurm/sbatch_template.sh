@@ -15,9 +15,12 @@
 # trainer, megapkl.train:run).
 #
 # Preemption and time limits: Slurm sends SIGUSR2 to every task 300 s before the kill
-# (--signal=USR2@300). The trainer checkpoints at its next step boundary and the job requeues itself
-# (`scontrol requeue`, needs --requeue); the requeued job resumes from the checkpoint with
-# checkpoint.resume=true. Keep PREEMPT_GRACE_S (forced requeue if no step boundary came) below 300.
+# (--signal=USR2@300). The trainer checkpoints at its next step boundary; rank 0 leaves a request
+# in REQUEUE_DIR and, once every task has exited, this script runs `scontrol requeue` (needs
+# --requeue) on the batch host, so the tasks need no Slurm client (container images have none).
+# REQUEUE_DIR must be a directory rank 0 and this script both see (default: .megapkl-requeue in the
+# submit directory). The requeued job resumes from the checkpoint with checkpoint.resume=true. Keep
+# PREEMPT_GRACE_S (forced requeue if no step boundary came) below 300.
 #
 # torchrun instead of one task per GPU: set LAUNCHER=torchrun (one srun task per node, torchrun
 # starts the GPU workers). torchrun does not forward SIGUSR2 to its workers, so a requeued job then
@@ -58,6 +61,11 @@ echo "[megapkl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM
      "${SLURM_NNODES} nodes x ${SLURM_NTASKS_PER_NODE:-?} tasks; config ${CONFIG} $*"
 
 TASK_ARGS=(--entry "$ENTRY" --preempt-grace-s "$PREEMPT_GRACE_S" --max-requeues "$MAX_REQUEUES")
+export MEGAPKL_REQUEUE_DIR="${REQUEUE_DIR:-$PWD/.megapkl-requeue}"
+mkdir -p "$MEGAPKL_REQUEUE_DIR"
+REQUEST="$MEGAPKL_REQUEUE_DIR/requeue.$SLURM_JOB_ID"
+rm -f "$REQUEST"
+status=0
 
 if [ "$LAUNCHER" = "torchrun" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -68,7 +76,16 @@ if [ "$LAUNCHER" = "torchrun" ]; then
        --kill-on-bad-exit=1 \
     "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
       --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-      -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@"
+      -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@" || status=$?
 else
-  srun --kill-on-bad-exit=1 "$PYTHON" -u -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@"
+  srun --kill-on-bad-exit=1 "$PYTHON" -u -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@" \
+    || status=$?
 fi
+
+if [ -e "$REQUEST" ]; then  # rank 0 asked for a requeue (preemption or time limit)
+  rm -f "$REQUEST"
+  echo "[megapkl] requeueing job ${SLURM_JOB_ID} from the batch script"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"

@@ -15,10 +15,11 @@ An entry point that never polls still gets requeued: `preempt_grace_s` after the
 requeues the job from rank 0 and exits it (srun's --kill-on-bad-exit then ends the other ranks);
 the job resumes from its last periodic checkpoint.
 
-Who runs `scontrol requeue`: jobs submitted by megapkl (submitit) export MEGAPKL_REQUEUE_DIR; rank
-0 leaves a request file there and the batch script, on the host, requeues the job once every task
-has exited (`host_requeue_lines`). Tasks then need no Slurm client, which container images do not
-ship. Without it (plain sbatch/srun launches) rank 0 runs `scontrol requeue` itself.
+Who runs `scontrol requeue`: jobs submitted by megapkl (submitit) and by slurm/sbatch_template.sh
+export MEGAPKL_REQUEUE_DIR; rank 0 leaves a request file there and the batch script, on the host,
+requeues the job once every task has exited (`host_requeue_lines`). Tasks then need no Slurm
+client, which container images do not ship. Without it (a bare srun launch) rank 0 runs
+`scontrol requeue` itself.
 
 torch is imported inside functions only (the launcher's modules import without it).
 """

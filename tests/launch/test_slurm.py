@@ -169,8 +169,9 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     script = launch_tmp / "sbatch_cpu.sh"
     script.write_text("\n".join(keep) + "\n")
     run_dir = launch_tmp / "sbatch_run"
+    requests = launch_tmp / "requeue_requests"
     env = {**os.environ, "CONFIG": str(TINY), "ENTRY": TOY, "PYTHON": sys.executable,
-           "PREEMPT_GRACE_S": "20"}
+           "PREEMPT_GRACE_S": "20", "REQUEUE_DIR": str(requests)}
     out = subprocess.run(
         ["sbatch", "--parsable", "--partition=cpu", "--ntasks-per-node=2", "--cpus-per-task=1",
          "--mem=2G", "--time=10", f"--chdir={repo}", f"--output={launch_tmp}/sbatch-%j.out",
@@ -192,7 +193,10 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     assert result["restarts"] == 1 and 2 <= result["resumed_from"] < STEPS
     assert result["metrics"] == ref[0]["metrics"]
     assert jobs.requeue_count(job_id) == 1
-    assert "requeueing job" in log.read_text()
+    text = log.read_text()
+    assert "requeueing job" in text  # rank 0's request, and the batch script acting on it:
+    assert f"[megapkl] requeueing job {job_id} from the batch script" in text, text[-3000:]
+    assert requests.is_dir() and not any(requests.iterdir())  # the request was taken
 
 
 def test_watchdog_requeues_an_entry_point_that_never_polls(toy_reference_run,
