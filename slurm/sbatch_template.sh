@@ -69,7 +69,8 @@ status=0
 
 if [ "$LAUNCHER" = "torchrun" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40000 ))
+  # below the ephemeral ports and the servers' base_port, a new one after each requeue
+  MASTER_PORT=$(( 20000 + (SLURM_JOB_ID + 7919 * ${SLURM_RESTART_COUNT:-0}) % 10000 ))
   GPUS_PER_NODE="${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
   # One task per node; torchrun starts GPUS_PER_NODE workers in it.
   srun --ntasks-per-node=1 --cpus-per-task="$(( ${SLURM_CPUS_PER_TASK:-1} * GPUS_PER_NODE ))" \
