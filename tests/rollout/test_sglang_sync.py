@@ -26,20 +26,21 @@ class Server:
         http.request(self.url, "/" + route, body or {}, method="POST", timeout=30)
 
 
-def _start(method: str):
+def _serving(method: str):
     ctx = mp.get_context(method)
     q = ctx.Queue()
     proc = ctx.Process(target=serve, args=(q,), daemon=True)
     proc.start()
-    return proc, Server(f"http://127.0.0.1:{q.get(timeout=120)}")
+    try:
+        yield Server(f"http://127.0.0.1:{q.get(timeout=120)}")
+    finally:
+        proc.kill()
+        proc.join()
 
 
 @pytest.fixture
 def server():
-    proc, srv = _start("fork")
-    yield srv
-    proc.kill()
-    proc.join()
+    yield from _serving("fork")
 
 
 @pytest.fixture
@@ -47,10 +48,7 @@ def spawned_server():
     """A server that shares no state with this process: a fork taken while a background thread
     here holds a lock of torch.distributed (an aborted group's destroy, from an earlier test)
     inherits that lock held, and its own group rendezvous then never ends."""
-    proc, srv = _start("spawn")
-    yield srv
-    proc.kill()
-    proc.join()
+    yield from _serving("spawn")
 
 
 def _weights(seed=0):

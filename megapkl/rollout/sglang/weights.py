@@ -405,9 +405,13 @@ class WeightSync:
             pg = made.pop("pg", None)
         if pg is not None:
             _destroy_group(pg)
-        for t in targets:
+        self._leave([t.url for t in targets], name)
+
+    def _leave(self, urls: Sequence[str], name: str) -> None:
+        """Tell each server to leave group `name` (best effort: one that never joined refuses)."""
+        for url in dict.fromkeys(urls):
             try:
-                self._call(t.url, "destroy_weights_update_group", {"group_name": name})
+                self._call(url, "destroy_weights_update_group", {"group_name": name})
             except (http.ServerError, http.ServerUnreachable):
                 pass
 
@@ -422,11 +426,7 @@ class WeightSync:
         self._group = None
         if pending and hasattr(pg, "abort"):
             pg.abort()
-        for url in dict.fromkeys([u for u, _ in members] + [t.url for t in targets]):
-            try:
-                self._call(url, "destroy_weights_update_group", {"group_name": name})
-            except (http.ServerError, http.ServerUnreachable):
-                pass
+        self._leave([u for u, _ in members] + [t.url for t in targets], name)
         if pending:
             threading.Thread(target=_destroy_group, args=(pg,), daemon=True).start()
         else:
