@@ -56,6 +56,10 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1          # megatron-core TP/SP communicatio
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+# --export=ALL hands the job the submitting shell's environment: its rendezvous variables (a
+# torchrun, an interactive job) are not this job's. Each task picks its own port from the job id
+# and restart count.
+unset MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID
 
 echo "[megapkl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}:" \
      "${SLURM_NNODES} nodes x ${SLURM_NTASKS_PER_NODE:-?} tasks; config ${CONFIG} $*"

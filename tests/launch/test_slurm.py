@@ -18,6 +18,7 @@ import submitit
 
 from megapkl.launch import jobs
 from megapkl.launch.cli import main as cli_main
+from megapkl.launch.runtime import rendezvous_port
 from megapkl.launch.submit import read_launch, read_metrics, submit
 from megapkl.launch.sweep import sweep, sweep_rows
 
@@ -171,7 +172,8 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     run_dir = launch_tmp / "sbatch_run"
     requests = launch_tmp / "requeue_requests"
     env = {**os.environ, "CONFIG": str(TINY), "ENTRY": TOY, "PYTHON": sys.executable,
-           "PREEMPT_GRACE_S": "20", "REQUEUE_DIR": str(requests)}
+           "PREEMPT_GRACE_S": "20", "REQUEUE_DIR": str(requests),
+           "MASTER_PORT": "1"}  # the submitting shell's, which the job must not use
     out = subprocess.run(
         ["sbatch", "--parsable", "--partition=cpu", "--ntasks-per-node=2", "--cpus-per-task=1",
          "--mem=2G", "--time=10", f"--chdir={repo}", f"--output={launch_tmp}/sbatch-%j.out",
@@ -197,6 +199,9 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     assert "requeueing job" in text  # rank 0's request, and the batch script acting on it:
     assert f"[megapkl] requeueing job {job_id} from the batch script" in text, text[-3000:]
     assert requests.is_dir() and not any(requests.iterdir())  # the request was taken
+    starts = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    ports = [int(e["master"].rsplit(":", 1)[1]) for e in starts if e["event"] == "start"]
+    assert ports == [rendezvous_port(job_id, 0), rendezvous_port(job_id, 1)], ports
 
 
 def test_watchdog_requeues_an_entry_point_that_never_polls(toy_reference_run,
