@@ -181,14 +181,24 @@ def test_replicas_sharing_a_node_search_disjoint_ports():
 
     from sglang_fixtures import free_port
 
-    base = free_port()
-    held = []
-    for p in (base, base + 1):  # both replicas' first ports are taken
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", p))
-        s.listen()
-        held.append(s)
+    def hold_two_adjacent():
+        """Listen on a free port and the next one (another process may own base+1: try again)."""
+        for _ in range(50):
+            base, held = free_port(), []
+            try:
+                for p in (base, base + 1):
+                    s = socket.socket()
+                    held.append(s)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", p))
+                    s.listen()
+                return base, held
+            except OSError:
+                for s in held:
+                    s.close()
+        raise AssertionError("no two adjacent free loopback ports in 50 tries")
+
+    base, held = hold_two_adjacent()  # both replicas' first ports are taken
     try:
         got = [pick_ports("127.0.0.1", base + r, 1, stride=2)[0] for r in range(2)]
     finally:
