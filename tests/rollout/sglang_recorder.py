@@ -16,7 +16,7 @@ CPU):
   request); /resume_memory_occupation of tags that were never released raises in the scheduler,
   which exits: the server answers nothing after that ("dead").
 
-Run in this process's fork (`serve(port_queue)`) or as a script: `python sglang_recorder.py PORT
+Run in a child process (`serve(port_queue)`) or as a script: `python sglang_recorder.py PORT
 [--health-delay S]`. GET /state returns the recorded state (pickled, base64).
 """
 from __future__ import annotations
@@ -214,7 +214,7 @@ def make_server(rec: Recorder, port: int = 0) -> ThreadingHTTPServer:
 
 
 def serve(port_queue, **kwargs) -> None:
-    """In a forked process: serve on a free port and put it on `port_queue`."""
+    """In a child process: serve on a free port and put it on `port_queue`."""
     httpd = make_server(Recorder(**kwargs))
     port_queue.put(httpd.server_address[1])
     httpd.serve_forever()

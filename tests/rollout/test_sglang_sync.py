@@ -1,5 +1,5 @@
 """The weight-sync state machine, unit level: a recording stand-in server (sglang_recorder.py,
-forked from this process) that keeps what it receives, enforces the rules SGLang enforces on the
+started in its own process) that keeps what it receives, enforces the rules SGLang enforces on the
 weight and memory routes and joins the broadcast group on its side. End-to-end sync against
 `megapkl serve` workers is in test_sglang_fleet.py."""
 from __future__ import annotations
@@ -26,8 +26,12 @@ class Server:
         http.request(self.url, "/" + route, body or {}, method="POST", timeout=30)
 
 
-def _serving(method: str):
-    ctx = mp.get_context(method)
+@pytest.fixture
+def server():
+    """A server that shares no state with this process. A fork would inherit every lock held by a
+    thread here: a torch.distributed lock held by an aborted group's destroy (an earlier test's
+    background thread) stays held in the child, and its own group rendezvous never ends."""
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=serve, args=(q,), daemon=True)
     proc.start()
@@ -36,19 +40,6 @@ def _serving(method: str):
     finally:
         proc.kill()
         proc.join()
-
-
-@pytest.fixture
-def server():
-    yield from _serving("fork")
-
-
-@pytest.fixture
-def spawned_server():
-    """A server that shares no state with this process: a fork taken while a background thread
-    here holds a lock of torch.distributed (an aborted group's destroy, from an earlier test)
-    inherits that lock held, and its own group rendezvous then never ends."""
-    yield from _serving("spawn")
 
 
 def _weights(seed=0):
@@ -203,7 +194,7 @@ def test_a_server_refusing_the_group_fails_the_push_at_once(server):
     assert st["routes"][-1] == "continue_generation" and not st["paused"]
 
 
-def test_a_group_made_before_a_refusal_is_destroyed_on_both_sides(spawned_server):
+def test_a_group_made_before_a_refusal_is_destroyed_on_both_sides(server):
     """A server that joins the group and then answers /init_weights_update_group with an error:
     the push fails, and the group our rendezvous made anyway is destroyed (not left registered
     in this process), and the server is told to leave it."""
@@ -212,14 +203,14 @@ def test_a_group_made_before_a_refusal_is_destroyed_on_both_sides(spawned_server
     from torch.distributed import distributed_c10d as c10d
 
     before = set(c10d._world.pg_map)  # (groups of earlier tests may still be going)
-    spawned_server.post("fail_after", {"route": "init_weights_update_group"})
+    server.post("fail_after", {"route": "init_weights_update_group"})
     sync = WeightSync(SyncSettings(mode="distributed", pause_mode="in_place", timeout_s=30))
     with pytest.raises(WeightUpdateError, match="init_weights_update_group done, then failed"):
-        sync.push([Target(spawned_server.url)], _weights(), version=1)
+        sync.push([Target(server.url)], _weights(), version=1)
     deadline = time.monotonic() + 30  # a rendezvous thread that completes late destroys its own
     while set(c10d._world.pg_map) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not set(c10d._world.pg_map) - before, "the group made for the failed push is left"
-    routes = spawned_server.state()["routes"]
+    routes = server.state()["routes"]
     assert routes.index("init_weights_update_group") < routes.index("destroy_weights_update_group")
-    spawned_server.post("fail_after", {"route": None})
+    server.post("fail_after", {"route": None})
