@@ -23,8 +23,8 @@
 # PREEMPT_GRACE_S (forced requeue if no step boundary came) below 300.
 #
 # torchrun instead of one task per GPU: set LAUNCHER=torchrun (one srun task per node, torchrun
-# starts the GPU workers). torchrun does not forward SIGUSR2 to its workers, so a requeued job then
-# resumes from its last periodic checkpoint (checkpoint.every) only.
+# starts the GPU workers and they meet at the first node). Slurm's signal reaches the workers
+# directly (torchrun is started with it ignored), so preemption works as above.
 
 #SBATCH --job-name=megapkl
 #SBATCH --partition=gpu
@@ -73,13 +73,17 @@ status=0
 
 if [ "$LAUNCHER" = "torchrun" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  # below the ephemeral ports and the servers' base_port, a new one after each requeue
+  # megapkl.launch.runtime.rendezvous_port: below the ephemeral ports and the servers'
+  # base_port, a new one after each requeue
   MASTER_PORT=$(( 20000 + (SLURM_JOB_ID + 7919 * ${SLURM_RESTART_COUNT:-0}) % 10000 ))
   GPUS_PER_NODE="${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
-  # One task per node; torchrun starts GPUS_PER_NODE workers in it.
+  echo "[megapkl] torchrun: ${GPUS_PER_NODE} workers per node, rendezvous at ${MASTER_ADDR}:${MASTER_PORT}"
+  # One task per node; torchrun starts GPUS_PER_NODE workers in it. Slurm signals every process
+  # of the step: the workers take USR2, checkpoint and ask for the requeue; torchrun ignores it
+  # (its default action would end the task, and with it, under proctrack/cgroup, the workers).
   srun --ntasks-per-node=1 --cpus-per-task="$(( ${SLURM_CPUS_PER_TASK:-1} * GPUS_PER_NODE ))" \
        --kill-on-bad-exit=1 \
-    "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+    bash -c 'trap "" USR2; exec "$@"' torchrun "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
       --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
       -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@" || status=$?
 else

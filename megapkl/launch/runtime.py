@@ -253,14 +253,14 @@ def configure_threads() -> int:
 
 
 def rendezvous_port(job_id: str, restart: int) -> int:
-    """The job's MASTER_PORT, which every task computes alike from the job id and the restart
-    count: in 20000-29999, below Linux's ephemeral range (32768-60999 unless changed), so that no
-    outgoing connection on the node holds it, and below the servers' base_port (30000); and a new
-    one at each requeue, so that a socket of the attempt before, still closing, cannot hold it.
+    """The job's MASTER_PORT, which every task computes alike from the Slurm job id (an integer)
+    and the restart count: in 20000-29999, below Linux's ephemeral range (32768-60999 unless
+    changed), so that no outgoing connection on the node holds it, and below the servers'
+    base_port (30000); a new one at each requeue (7919 is prime to 10000), so that a socket of the
+    attempt before, still closing, cannot hold it; and consecutive jobs sharing a node get
+    different ones. slurm/sbatch_template.sh computes the same in bash for torchrun.
     (submitit's own default draws from 20000-60000 by job id alone.)"""
-    import zlib
-
-    return 20000 + zlib.crc32(f"{job_id}:{restart}".encode()) % 10000
+    return 20000 + (int(job_id) + 7919 * int(restart)) % 10000
 
 
 def init_distributed(use_gpus: bool, timeout_s: float = 600.0) -> dict[str, Any]:

@@ -6,8 +6,9 @@ from the environment (NCCL on GPUs, gloo on CPU), the run directory (<run_dir>/c
 launch.json, metrics.jsonl, events.jsonl, result.json), the entry point `fn(cfg, ctx)`, and the
 cooperative preemption protocol: on SIGUSR2 (`#SBATCH --signal=USR2@300`) the entry point
 checkpoints at its next step boundary and the job requeues itself (`#SBATCH --requeue`); the
-requeued job resumes from the checkpoint. Under torchrun the signal reaches torchrun, not its
-workers: there a requeued job resumes from its last periodic checkpoint only.
+requeued job resumes from the checkpoint. Under torchrun, Slurm signals every process of the
+step, workers included; torchrun must ignore the signal (the template starts it with USR2 ignored),
+as its default action would kill it and its workers before they checkpoint.
 """
 from __future__ import annotations
 

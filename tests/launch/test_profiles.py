@@ -341,3 +341,4 @@ def test_the_rendezvous_port_is_the_same_in_every_task_and_new_at_each_requeue()
     assert all(20000 <= p < 30000 for row in ports for p in row), ports
     assert all(len(set(row)) == 4 for row in ports), ports
     assert [rendezvous_port("1234", r) for r in range(4)] == ports[1]
+    assert len({rendezvous_port(str(job), 0) for job in range(1000, 1100)}) == 100  # neighbours

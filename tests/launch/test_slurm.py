@@ -10,6 +10,7 @@ launched in test_slurm_trainer.py.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -158,29 +159,79 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     """slurm/sbatch_template.sh (srun, no submitit; ENTRY = the toy) on the CPU cluster: the GPU
     lines removed, the rest overridden on the sbatch command line; USR2 (what Slurm sends before a
     time limit) -> checkpoint -> requeue -> resume with the uninterrupted run's metrics."""
+    _, ref = toy_reference_run
+    run_dir = launch_tmp / "sbatch_run"
+    requests = launch_tmp / "requeue_requests"
+    job_id = _sbatch_template(launch_tmp, {"REQUEUE_DIR": str(requests)},
+                              ["--partition=cpu", "--ntasks-per-node=2"], run_dir)
+    _interrupt_template_job(job_id, run_dir, launch_tmp)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["restarts"] == 1 and 2 <= result["resumed_from"] < STEPS
+    assert result["metrics"] == ref[0]["metrics"]
+    assert jobs.requeue_count(job_id) == 1
+    text = (launch_tmp / f"sbatch-{job_id}.out").read_text()
+    assert "requeueing job" in text  # rank 0's request, and the batch script acting on it:
+    assert f"[megapkl] requeueing job {job_id} from the batch script" in text, text[-3000:]
+    assert requests.is_dir() and not any(requests.iterdir())  # the request was taken
+    assert _master_ports(run_dir) == [rendezvous_port(job_id, 0), rendezvous_port(job_id, 1)]
+
+
+def test_sbatch_template_torchrun_on_two_nodes_requeues_and_resumes(toy_reference_run,
+                                                                     launch_tmp: Path) -> None:
+    """The template's LAUNCHER=torchrun path on the two-node partition: one srun task per node
+    starts torchrun, which starts the workers and meets the other node at the first node's
+    address. The preemption signal reaches the workers (torchrun itself ignores it), so the job
+    checkpoints, requeues from the batch script and resumes with the uninterrupted run's
+    metrics; each attempt's torchrun rendezvous is at the port every task computes
+    (rendezvous_port; the workers' own MASTER_PORT is one torchrun picks)."""
+    _, ref = toy_reference_run
+    run_dir = launch_tmp / "torchrun_run"
+    job_id = _sbatch_template(launch_tmp, {"LAUNCHER": "torchrun"},
+                              ["--partition=cpu2", "--nodes=2", "--ntasks-per-node=1"], run_dir)
+    _interrupt_template_job(job_id, run_dir, launch_tmp)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["world_size"] == 2 and result["restarts"] == 1
+    assert 2 <= result["resumed_from"] < STEPS
+    assert result["metrics"] == ref[0]["metrics"]
+    starts = [e for e in _events(run_dir) if e["event"] == "start"]
+    assert {e["host"] for e in starts} == {"mpn1"}, starts  # rank 0 on the first node
+    log = (launch_tmp / f"sbatch-{job_id}.out").read_text()
+    endpoints = re.findall(r"torchrun: 1 workers per node, rendezvous at (\S+)", log)
+    assert endpoints == [f"mpn1:{rendezvous_port(job_id, r)}" for r in (0, 1)], log[-3000:]
+    # torchrun outlived the signal: had it died of it, the task would have ended with its workers
+    # still checkpointing (here, under proctrack/linuxproc, they outlive it; under cgroup not)
+    assert "srun: error" not in log and "User defined signal" not in log, log[-3000:]
+
+
+def _sbatch_template(launch_tmp: Path, env_extra: dict, sbatch_args: list, run_dir: Path) -> str:
+    """Submit slurm/sbatch_template.sh with its GPU lines removed (the rest overridden on the
+    sbatch command line), the toy entry and a rendezvous port in the submitting shell that the
+    job must not use; the job id."""
     import os
     import subprocess
     import sys
 
-    _, ref = toy_reference_run
     repo = Path(__file__).resolve().parents[2]
     text = (repo / "slurm" / "sbatch_template.sh").read_text()
     keep = [ln for ln in text.splitlines()
             if not ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive", "#SBATCH --mem"))]
     script = launch_tmp / "sbatch_cpu.sh"
     script.write_text("\n".join(keep) + "\n")
-    run_dir = launch_tmp / "sbatch_run"
-    requests = launch_tmp / "requeue_requests"
     env = {**os.environ, "CONFIG": str(TINY), "ENTRY": TOY, "PYTHON": sys.executable,
-           "PREEMPT_GRACE_S": "20", "REQUEUE_DIR": str(requests),
-           "MASTER_PORT": "1"}  # the submitting shell's, which the job must not use
+           "PREEMPT_GRACE_S": "20", "MASTER_PORT": "1", **env_extra}
     out = subprocess.run(
-        ["sbatch", "--parsable", "--partition=cpu", "--ntasks-per-node=2", "--cpus-per-task=1",
-         "--mem=2G", "--time=10", f"--chdir={repo}", f"--output={launch_tmp}/sbatch-%j.out",
-         "--export=ALL", str(script), f"run_dir={run_dir}", f"train.steps={STEPS}",
-         "--entry-arg", "step_seconds=1.5"],
+        ["sbatch", "--parsable", *sbatch_args, "--cpus-per-task=1", "--mem=2G", "--time=10",
+         f"--chdir={repo}", f"--output={launch_tmp}/sbatch-%j.out", "--export=ALL", str(script),
+         f"run_dir={run_dir}", f"train.steps={STEPS}", "--entry-arg", "step_seconds=1.5"],
         env=env, capture_output=True, text=True, check=True)
-    job_id = out.stdout.strip().split(";")[0]
+    return out.stdout.strip().split(";")[0]
+
+
+def _interrupt_template_job(job_id: str, run_dir: Path, launch_tmp: Path) -> None:
+    """At step 2, USR2 to the job's steps (what --signal=USR2@300 sends before a time limit);
+    then wait for the requeued job to complete."""
+    import subprocess
+
     deadline = time.time() + 240
     log = launch_tmp / f"sbatch-{job_id}.out"
     while len(read_metrics(run_dir)) < 2:
@@ -190,18 +241,18 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
         assert time.time() < deadline, f"sbatch job {job_id} never reached step 2\n{tail}"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    wait_state(job_id, "COMPLETED", 240)
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["restarts"] == 1 and 2 <= result["resumed_from"] < STEPS
-    assert result["metrics"] == ref[0]["metrics"]
-    assert jobs.requeue_count(job_id) == 1
-    text = log.read_text()
-    assert "requeueing job" in text  # rank 0's request, and the batch script acting on it:
-    assert f"[megapkl] requeueing job {job_id} from the batch script" in text, text[-3000:]
-    assert requests.is_dir() and not any(requests.iterdir())  # the request was taken
-    starts = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
-    ports = [int(e["master"].rsplit(":", 1)[1]) for e in starts if e["event"] == "start"]
-    assert ports == [rendezvous_port(job_id, 0), rendezvous_port(job_id, 1)], ports
+    try:
+        wait_state(job_id, "COMPLETED", 240)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{log.read_text()[-3000:] if log.exists() else ''}") from None
+
+
+def _events(run_dir: Path) -> list:
+    return [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _master_ports(run_dir: Path) -> list:
+    return [int(e["master"].rsplit(":", 1)[1]) for e in _events(run_dir) if e["event"] == "start"]
 
 
 def test_watchdog_requeues_an_entry_point_that_never_polls(toy_reference_run,
