@@ -427,7 +427,7 @@ def _idle_note(lay, world: int, used: int) -> str:
     if used >= world:
         return ""
     on_leader = len(colocated_gpus(lay, 0))
-    per_replica = lay.tp * lay.cp * lay.pp
+    per_replica = len(lay.replica_ranks(0))
     why = (f"a colocated fleet runs on its replica leader's node, {on_leader} of the replica's "
            f"{per_replica} GPUs" if on_leader < per_replica else "rollout.sglang.num_engines")
     return f"; {world - used} of the {world} training GPUs hold no server ({why})"

@@ -170,18 +170,19 @@ def connect_fleet(sg: Any, want: Expected) -> Fleet:
     serve what `want` asks (served.py); the router only /health."""
     health = health_settings(sg)
     fleet = Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url)
-    named = [(f"rollout.sglang.urls[{i}]", u) for i, u in enumerate(sg.urls)]
+    # (config key, url, is a server whose flags and model must match)
+    named = [(f"rollout.sglang.urls[{i}]", u, True) for i, u in enumerate(sg.urls)]
     if sg.router_url:
-        named.append(("rollout.sglang.router_url", sg.router_url))
+        named.append(("rollout.sglang.router_url", sg.router_url, False))
 
-    def one(key_url: tuple[str, str]) -> None:
-        key, url = key_url
+    def one(key_url: tuple[str, str, bool]) -> None:
+        key, url, is_server = key_url
         try:
             wait_healthy(None, url, first_wait_s=0.0, interval_s=min(health.interval_s, 1.0),
                          timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
         except ServerLaunchError as exc:
             raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
-        if key != "rollout.sglang.router_url":
+        if is_server:
             check_served(key, url, want, timeout_s=health.timeout_s)
     with ThreadPoolExecutor(len(named)) as pool:
         for f in [pool.submit(one, x) for x in named]:
