@@ -46,11 +46,11 @@ def test_preemption_with_batches_generated_ahead_requeues_and_resumes_the_sync_r
         launch_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a rendezvous port in the submitting shell (as under torchrun) is not the jobs' to use
     monkeypatch.setenv("MASTER_PORT", "1")
-    ref_dir, ref = _run(launch_tmp, "async_reference_sync", "rollout.sglang.base_port=37300")
+    ref_dir, ref = _run(launch_tmp, "async_reference_sync", "rollout.sglang.base_port=30800")
     ref_results = wait_done(ref.job, 300, "synchronous reference job")
 
     run_dir, sub = _run(launch_tmp, "async_preempted", "rollout.async_batches=2",
-                        "rollout.sglang.base_port=37400")
+                        "rollout.sglang.base_port=30900")
     _interrupt_when(sub, run_dir, ["start"], 3, "asynchronous job")  # training, generating ahead
     results = wait_done(sub.job, 300, "preempted asynchronous job")
     records = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]

@@ -48,7 +48,7 @@ def _starts(log: Path) -> list[str]:
 
 def test_colocated_fleets_one_per_leader_on_its_own_node(launch_tmp: Path) -> None:
     run_dir = launch_tmp / "sglang_colocated"
-    _run(run_dir, ["rollout.sglang.num_engines=1", "rollout.sglang.base_port=36700",
+    _run(run_dir, ["rollout.sglang.num_engines=1", "rollout.sglang.base_port=30600",
                    "rollout.sglang.weight_sync=tensor"], "two-node colocated SGLang job")
     ports = []
     for r in (0, 1):
@@ -57,12 +57,12 @@ def test_colocated_fleets_one_per_leader_on_its_own_node(launch_tmp: Path) -> No
         assert "srun" not in start and "--host 127.0.0.1" in start, start
         ports.append(int(re.search(r"--port (\d+)", start).group(1)))
         assert "http://127.0.0.1:" in _starts(logs / "router.log")[0]
-    assert ports == [36700, 36701]  # each replica's own ports
+    assert ports == [30600, 30601]  # each replica's own ports
 
 
 def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> None:
     run_dir = launch_tmp / "sglang_spread"
-    _run(run_dir, ["rollout.sglang.num_engines=2", "rollout.sglang.base_port=36800",
+    _run(run_dir, ["rollout.sglang.num_engines=2", "rollout.sglang.base_port=30700",
                    "rollout.sglang.colocate=false", "rollout.sglang.host=0.0.0.0",
                    "rollout.sglang.weight_sync=distributed"], "two-node spread SGLang job")
     for r in (0, 1):
@@ -70,6 +70,6 @@ def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> Non
         for i, node in enumerate(("mpn1", "mpn2")):
             (start,) = _starts(logs / f"engine{i}.log")
             assert f"srun --overlap --nodes=1 --ntasks=1 --nodelist={node}" in start, start
-            assert f"--port {36800 + 2 * r + i}" in start and "--host 0.0.0.0" in start
+            assert f"--port {30700 + 2 * r + i}" in start and "--host 0.0.0.0" in start
         router = _starts(logs / "router.log")[0]
-        assert f"http://mpn1:{36800 + 2 * r}" in router and f"http://mpn2:{36801 + 2 * r}" in router
+        assert f"http://mpn1:{30700 + 2 * r}" in router and f"http://mpn2:{30701 + 2 * r}" in router

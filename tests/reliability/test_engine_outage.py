@@ -59,7 +59,7 @@ def _cfgs(run_dir: Path, urls: list[str], *extra: str, doomed: Path | None = Non
         wrapper.write_text(DOOMED)
         command = json.dumps(["{python}", str(wrapper), "{host}", "{port}", str(doomed)])
         ranks[1] = [f"rollout.sglang.server_command={command}", "rollout.sglang.num_engines=1",
-                    "rollout.sglang.max_restarts=0", "rollout.sglang.base_port=35700"]
+                    "rollout.sglang.max_restarts=0", "rollout.sglang.base_port=30100"]
     return [tiny_cfg(run_dir, *SGLANG, *mine, *extra, data=2) for mine in ranks]
 
 

@@ -33,7 +33,7 @@ def _cfg(tmp, extra=()):
         "rollout.engine=sglang", f"rollout.sglang.server_command={json.dumps(SERVE)}",
         "rollout.sglang.num_engines=2", f"run_dir={tmp}", "rollout.sglang.health_interval_s=0.5",
         "rollout.sglang.health_timeout_s=3", "rollout.sglang.startup_timeout_s=240",
-        "rollout.sglang.no_engine_timeout_s=120", "rollout.sglang.base_port=36100",
+        "rollout.sglang.no_engine_timeout_s=120", "rollout.sglang.base_port=30200",
         "rollout.sglang.bucket_mb=0.05", *extra])
 
 
@@ -232,13 +232,13 @@ def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
         _build(cfg)
     never = json.dumps([sys.executable, "-c", "import time; print('compiling'); time.sleep(60)"])
     cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={never}", "rollout.sglang.num_engines=1",
-                          "rollout.sglang.base_port=36400", *fast])
+                          "rollout.sglang.base_port=30300", *fast])
     with pytest.raises(ServerLaunchError, match="not healthy after 2 s") as info:
         _build(cfg)
     assert "engine0.log" in str(info.value) and "compiling" in str(info.value)
     crash = json.dumps([sys.executable, "-c", "raise SystemExit('bad flag --x')"])
     cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={crash}", "rollout.sglang.num_engines=1",
-                          "rollout.sglang.base_port=36400", *fast])
+                          "rollout.sglang.base_port=30300", *fast])
     with pytest.raises(ServerLaunchError, match="exited with code 1") as info:
         _build(cfg)
     assert "bad flag --x" in str(info.value)

@@ -52,7 +52,7 @@ def sglang_overrides(model: str, run_dir: Path, *extra_args: str) -> list[str]:
     return ["rollout.engine=sglang", f"rollout.sglang.server_command={serve_command(model)}",
             f"rollout.sglang.extra_args={json.dumps(list(extra_args))}",
             "rollout.sglang.num_engines=2", "rollout.sglang.use_router=true",
-            "rollout.sglang.router_policy=round_robin", "rollout.sglang.base_port=36600",
+            "rollout.sglang.router_policy=round_robin", "rollout.sglang.base_port=30500",
             "rollout.sglang.startup_timeout_s=240", "rollout.sglang.health_interval_s=2",
             "rollout.sglang.no_engine_timeout_s=120", f"run_dir={run_dir}"]
 
