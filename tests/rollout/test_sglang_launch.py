@@ -162,6 +162,37 @@ def test_each_server_gets_its_own_base_gpu_id(tmp_path, monkeypatch):
                0, 4)
 
 
+@pytest.mark.parametrize("base_port, warned", [(30000, False), (31800, True), (40000, True),
+                                                (61500, False)])
+def test_server_ports_in_the_ephemeral_range_are_warned_about(base_port, warned, tmp_path,
+                                                              monkeypatch, caplog):
+    """Ports an outgoing connection may take before the server binds them: the servers' (from
+    base_port) or the routers' (from base_port + 1000), against this host's range."""
+    import logging
+
+    from megapkl.rollout.sglang import launch
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(launch, "ephemeral_ports", lambda: (32768, 60999))  # Linux's default
+    cfg = _cfg("rollout.sglang.num_engines=2", f"rollout.sglang.base_port={base_port}")
+    with caplog.at_level(logging.WARNING, logger=launch.__name__):
+        plan_servers(cfg.rollout.sglang, log_dir=tmp_path, host="127.0.0.1",
+                     make_cmd=lambda h, p, g: ["true"])
+    hits = [r.getMessage() for r in caplog.records if "ephemeral port range" in r.getMessage()]
+    assert bool(hits) == warned, hits
+    if warned:
+        assert hits[0].startswith(f"rollout.sglang.base_port {base_port}: ") and "31766" in hits[0]
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path):
+    from megapkl.rollout.sglang.launch import ephemeral_ports
+
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text("40000\t50000\n")
+    assert ephemeral_ports(str(rng)) == (40000, 50000)
+    assert ephemeral_ports(str(tmp_path / "missing")) == (32768, 60999)
+
+
 def test_slurm_nodes_need_no_slurm_client(monkeypatch):
     from megapkl.rollout.sglang.launch import slurm_nodes
 

@@ -105,6 +105,29 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """This host's range of ports handed to outgoing connections (Linux's default if unknown)."""
+    try:
+        low, high = Path(path).read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def warn_if_ephemeral(sg: Any, replicas: int = 1) -> None:
+    """A server port in the ephemeral range can be taken by any outgoing connection between the
+    free-port check and the server's bind: the server then dies with "Address already in use"."""
+    low, high = ephemeral_ports()
+    last = sg.base_port + 1000 + 2 * replicas  # the routers' ports are the highest
+    if sg.base_port <= high and last >= low:
+        log.warning("rollout.sglang.base_port %d: the servers' ports (%d-%d, routers from %d) "
+                    "overlap this host's ephemeral port range %d-%d, where an outgoing "
+                    "connection can take a port before its server binds it; choose a base_port "
+                    "below %d", sg.base_port, sg.base_port,
+                    sg.base_port + replicas * sg.num_engines - 1, sg.base_port + 1000, low, high,
+                    low - 1000 - 2 * replicas)
+
+
 def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = (),
                stride: int = 0) -> list[int]:
     """`count` free ports from `start` on. With `stride` (>= count): only start + k * stride + j
@@ -241,6 +264,8 @@ def plan_servers(sg: Any, *, log_dir: Path,
       them, so `host` must not be loopback: setting it is the explicit choice to expose the
       servers' weight-update routes to the network (a warning is logged)."""
     first = sg.base_port + replica * sg.num_engines
+    if replica == 0:
+        warn_if_ephemeral(sg, replicas)
     gpu = [None if slots is None else slots[i].base_gpu for i in range(sg.num_engines)]
     nodes = slurm_nodes()
     if len(nodes) > 1 and not sg.colocate:
