@@ -105,6 +105,9 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+ROUTER_PORT_OFFSET = 1000  # the routers' ports start at base_port + this (router_ports)
+
+
 def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
     """This host's range of ports handed to outgoing connections (Linux's default if unknown)."""
     try:
@@ -118,14 +121,15 @@ def warn_if_ephemeral(sg: Any, replicas: int = 1) -> None:
     """A server port in the ephemeral range can be taken by any outgoing connection between the
     free-port check and the server's bind: the server then dies with "Address already in use"."""
     low, high = ephemeral_ports()
-    last = sg.base_port + 1000 + 2 * replicas  # the routers' ports are the highest
+    routers = sg.base_port + ROUTER_PORT_OFFSET
+    last = routers + 2 * replicas  # the routers' ports are the highest
     if sg.base_port <= high and last >= low:
         log.warning("rollout.sglang.base_port %d: the servers' ports (%d-%d, routers from %d) "
                     "overlap this host's ephemeral port range %d-%d, where an outgoing "
                     "connection can take a port before its server binds it; choose a base_port "
                     "below %d", sg.base_port, sg.base_port,
-                    sg.base_port + replicas * sg.num_engines - 1, sg.base_port + 1000, low, high,
-                    low - 1000 - 2 * replicas)
+                    sg.base_port + replicas * sg.num_engines - 1, routers, low, high,
+                    low - (last - sg.base_port))
 
 
 def pick_ports(host: str, start: int, count: int, taken: Sequence[int] = (),
@@ -198,7 +202,8 @@ def router_ports(sg: Any, replica: int, replicas: int) -> tuple[int, int]:
     """The router's port and its Prometheus listener's, searched as a pair from
     base_port + 1000 + 2 * replica with stride 2 * replicas: the routers of replicas sharing a node
     start at the same time, and one's metrics port must not be the next one's router port."""
-    port, metrics = pick_ports(sg.host, sg.base_port + 1000 + 2 * replica, 2, stride=2 * replicas)
+    port, metrics = pick_ports(sg.host, sg.base_port + ROUTER_PORT_OFFSET + 2 * replica, 2,
+                               stride=2 * replicas)
     return port, metrics
 
 
