@@ -10,6 +10,7 @@ of the session ("launcher test timings").
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -76,6 +77,18 @@ def _job_index(tmp_path_factory: pytest.TempPathFactory):
         os.environ.pop("MEGAPKL_JOB_INDEX", None)
     else:
         os.environ["MEGAPKL_JOB_INDEX"] = old
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """The launcher's records in <run_dir>/events.jsonl ([] before the first)."""
+    path = run_dir / "events.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def master_ports(run_dir: Path) -> list[int]:
+    """The rendezvous port each attempt of the job met on (its `start` record's master)."""
+    return [int(e["master"].rsplit(":", 1)[1]) for e in read_events(run_dir)
+            if e["event"] == "start"]
 
 
 def wait_done(job, timeout_s: float, what: str = "job"):

@@ -23,7 +23,7 @@ from megapkl.launch.runtime import rendezvous_port
 from megapkl.launch.submit import read_launch, read_metrics, submit
 from megapkl.launch.sweep import sweep, sweep_rows
 
-from .conftest import _TIMINGS, TINY, TOY, wait_done, wait_state
+from .conftest import _TIMINGS, TINY, TOY, master_ports, read_events, wait_done, wait_state
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 STEPS = 8
@@ -115,7 +115,7 @@ def test_toy_preemption_requeues_and_resumes_with_the_same_metrics(toy_reference
     assert 2 <= r0["resumed_from"] < STEPS  # continued from the checkpoint, not from scratch
     assert r0["metrics"] == ref[0]["metrics"]  # the same metrics as the uninterrupted run
     assert read_metrics(run_dir) == ref[0]["metrics"]
-    events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in read_events(run_dir)]
     assert events == ["start", "requeued", "start", "done"]
     wait_state(sub.job_id, "COMPLETED")
     assert jobs.requeue_count(sub.job_id) == 1
@@ -173,7 +173,7 @@ def test_plain_sbatch_template_runs_and_requeues(toy_reference_run, launch_tmp: 
     assert "requeueing job" in text  # rank 0's request, and the batch script acting on it:
     assert f"[megapkl] requeueing job {job_id} from the batch script" in text, text[-3000:]
     assert requests.is_dir() and not any(requests.iterdir())  # the request was taken
-    assert _master_ports(run_dir) == [rendezvous_port(job_id, 0), rendezvous_port(job_id, 1)]
+    assert master_ports(run_dir) == [rendezvous_port(job_id, 0), rendezvous_port(job_id, 1)]
 
 
 def test_sbatch_template_torchrun_on_two_nodes_requeues_and_resumes(toy_reference_run,
@@ -193,7 +193,7 @@ def test_sbatch_template_torchrun_on_two_nodes_requeues_and_resumes(toy_referenc
     assert result["world_size"] == 2 and result["restarts"] == 1
     assert 2 <= result["resumed_from"] < STEPS
     assert result["metrics"] == ref[0]["metrics"]
-    starts = [e for e in _events(run_dir) if e["event"] == "start"]
+    starts = [e for e in read_events(run_dir) if e["event"] == "start"]
     assert {e["host"] for e in starts} == {"mpn1"}, starts  # rank 0 on the first node
     log = (launch_tmp / f"sbatch-{job_id}.out").read_text()
     endpoints = re.findall(r"torchrun: 1 workers per node, rendezvous at (\S+)", log)
@@ -245,14 +245,6 @@ def _interrupt_template_job(job_id: str, run_dir: Path, launch_tmp: Path) -> Non
         wait_state(job_id, "COMPLETED", 240)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{log.read_text()[-3000:] if log.exists() else ''}") from None
-
-
-def _events(run_dir: Path) -> list:
-    return [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def _master_ports(run_dir: Path) -> list:
-    return [int(e["master"].rsplit(":", 1)[1]) for e in _events(run_dir) if e["event"] == "start"]
 
 
 def test_watchdog_requeues_an_entry_point_that_never_polls(toy_reference_run,

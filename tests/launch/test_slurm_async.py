@@ -19,7 +19,7 @@ from megapkl.launch import jobs
 from megapkl.launch.runtime import rendezvous_port
 from megapkl.launch.submit import read_metrics, submit
 
-from .conftest import TINY, wait_done, wait_state
+from .conftest import TINY, master_ports, read_events, wait_done, wait_state
 from .test_slurm_trainer import _interrupt_when, comparable
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -53,11 +53,10 @@ def test_preemption_with_batches_generated_ahead_requeues_and_resumes_the_sync_r
                         "rollout.sglang.base_port=30900")
     _interrupt_when(sub, run_dir, ["start"], 3, "asynchronous job")  # training, generating ahead
     results = wait_done(sub.job, 300, "preempted asynchronous job")
-    records = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
-    events = [r["event"] for r in records]
+    events = [r["event"] for r in read_events(run_dir)]
     assert events == ["start", "requeued", "start", "done"], events
     # each attempt meets on the port of its job id and restart count, a new one after the requeue
-    ports = [int(r["master"].rsplit(":", 1)[1]) for r in records if r["event"] == "start"]
+    ports = master_ports(run_dir)
     assert ports == [rendezvous_port(sub.job_id, 0), rendezvous_port(sub.job_id, 1)], ports
     assert ports[0] != ports[1] and all(20000 <= p < 30000 for p in ports), ports
 

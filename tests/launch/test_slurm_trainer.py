@@ -19,7 +19,7 @@ import pytest
 from megapkl.launch import jobs
 from megapkl.launch.submit import read_launch, read_metrics, submit
 
-from .conftest import _TIMINGS, TINY, TRAINER, wait_done, wait_state
+from .conftest import _TIMINGS, TINY, TRAINER, read_events, wait_done, wait_state
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -85,7 +85,7 @@ def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> No
     assert "slurm:\n  profile: local_cpu" in config
     launch = read_launch(run_dir)
     assert launch["entry"] == TRAINER and launch["jobs"][0]["job_id"] == sub.job_id
-    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     assert [e["event"] for e in events] == ["start", "done"]
     assert (events[0]["world_size"], events[0]["backend"], events[0]["threads"]) == (2, "gloo", 1)
     wait_state(sub.job_id, "COMPLETED")
@@ -94,8 +94,7 @@ def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> No
 
 
 def _events(run_dir: Path) -> list[str]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(ln)["event"] for ln in path.read_text().splitlines()] if path.exists() else []
+    return [e["event"] for e in read_events(run_dir)]
 
 
 def _interrupt_when(sub, run_dir: Path, events: list[str], rows: int, what: str) -> None:
@@ -178,7 +177,7 @@ def test_trainer_two_node_job_logs_the_single_node_metrics(trainer_reference,
     results = wait_done(sub.job, 300, "two-node trainer job")
     assert comparable(results) == comparable(ref)
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(ref_sub.run_dir))
-    start = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])
+    start = read_events(run_dir)[0]
     assert (start["world_size"], start["backend"]) == (2, "gloo")
     assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
     wait_state(sub.job_id, "COMPLETED")
@@ -203,7 +202,7 @@ def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
     sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
     _interrupt_when(sub, run_dir, ["start"], 2, "trainer job")  # past the handler's installation
     results = wait_done(sub.job, 300, "preempted trainer job")
-    events = [json.loads(ln)["event"] for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = _events(run_dir)
     assert events == ["start", "requeued", "start", "done"], (
         f"events {events}: the interrupt should land before the last of {STEPS} updates")
 
