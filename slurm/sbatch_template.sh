@@ -83,7 +83,8 @@ if [ "$LAUNCHER" = "torchrun" ]; then
   # (its default action would end the task, and with it, under proctrack/cgroup, the workers).
   srun --ntasks-per-node=1 --cpus-per-task="$(( ${SLURM_CPUS_PER_TASK:-1} * GPUS_PER_NODE ))" \
        --kill-on-bad-exit=1 \
-    bash -c 'trap "" USR2; exec "$@"' torchrun "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
+    bash -c 'trap "" USR2; exec "$@"' torchrun \
+      "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$GPUS_PER_NODE" \
       --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
       -m megapkl.launch.task "$CONFIG" "${TASK_ARGS[@]}" "$@" || status=$?
 else

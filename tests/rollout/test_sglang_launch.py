@@ -148,7 +148,7 @@ def test_each_server_gets_its_own_base_gpu_id(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = _cfg("parallel.data=4", "parallel.context=2", "rollout.sglang.num_engines=2",
-               "rollout.sglang.base_port=32000")
+               "rollout.sglang.base_port=31000")
     sg = cfg.rollout.sglang
     seen = []
     for replica in range(4):
