@@ -214,3 +214,41 @@ def test_a_group_made_before_a_refusal_is_destroyed_on_both_sides(server):
     routes = server.state()["routes"]
     assert routes.index("init_weights_update_group") < routes.index("destroy_weights_update_group")
     server.post("fail_after", {"route": None})
+
+
+_BOUND_DEFAULT_GROUP = r'''
+import sys, torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from megapkl.rollout.sglang.weights import free_port, open_update_group
+
+seen = []
+def make(opts, backend_options):  # a real gloo backend; records what torch hands a plugin
+    seen.append(opts.split_from)
+    return c10d.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timeout=opts.timeout)
+dist.Backend.register_backend("splitprobe", make, extended_api=True, devices=["cpu", "cuda"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+default = c10d._get_default_group()
+# init_process_group(device_id=cuda:i) binds the default group by setting this field (torch
+# refuses a CPU device_id); the gloo default backend supports splitting, as NCCL does.
+default.bound_device_id = torch.device("cuda", 0)
+assert c10d._get_split_source(default) is not None
+pg = open_update_group("splitprobe", "127.0.0.1", free_port(), 1, 0, "weights-probe", 30)
+assert seen == [None], f"the update group was split from the default group's backend: {seen}"
+assert default.bound_device_id == torch.device("cuda", 0), "the binding was not put back"
+t = torch.ones(3)
+dist.broadcast(t, src=0, group=pg)
+print("ok")
+'''
+
+
+def test_the_update_group_is_never_split_from_a_bound_default_group():
+    """A default group bound to a device (the Slurm/torchrun launch) must not make torch build the
+    trainer-to-servers group by splitting the default communicator: the split is collective over
+    the trainer's world, where the servers are not, and the first broadcast hangs. Run in a fresh
+    process with a real default group; the backend plugin sees what torch would hand NCCL."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BOUND_DEFAULT_GROUP], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

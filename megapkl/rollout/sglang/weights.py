@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -123,12 +124,44 @@ def open_update_group(backend: str, address: str, port: int, world_size: int, ra
                                                    timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                        group_name=local_name or group_name,
-                                        timeout=timeout)
+    with unbound_default_group():
+        pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                            group_name=local_name or group_name,
+                                            timeout=timeout)
     pg = pg[0] if isinstance(pg, tuple) else pg
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+_UNBINDING = threading.Lock()
+
+
+@contextmanager
+def unbound_default_group() -> Iterator[None]:
+    """The default group shown as unbound to a device for the duration of the block.
+
+    A default group bound to a device (`init_process_group(device_id=...)`, what the Slurm and
+    torchrun launch does) makes torch's `_new_process_group_helper` build every new NCCL group by
+    `ncclCommSplit` from the default communicator (its split predicate is
+    `is_initialized() and _get_default_group().bound_device_id`). A split is collective over the
+    trainer's whole world, which the servers are no part of: the first broadcast of the
+    weight-update group would wait forever. Hidden, the binding leaves the new group a
+    communicator of its own (made by its members only, at its first collective). The binding is
+    a plain field of the default group, put back at once; the lock keeps two group makings from
+    restoring each other's view."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized() or c10d._get_default_group().bound_device_id is None:
+        yield
+        return
+    default = c10d._get_default_group()
+    with _UNBINDING:
+        bound = default.bound_device_id
+        default.bound_device_id = None
+        try:
+            yield
+        finally:
+            default.bound_device_id = bound
 
 
 def group_backend(setting: Optional[str] = None, cuda: Optional[bool] = None) -> str:
