@@ -9,7 +9,8 @@ through H tokens (eq. C.4):
 not divided by H or the length. V(H) is the within-prompt sample variance (M - 1 denominator),
 averaged equally over prompts (eq. C.5), reported in units of 1e-3 like the paper's Fig. 9(c).
 Policies, responses, beta and eps_F are held fixed across H, so the table isolates the effect of
-extending the sum. The paper uses 16 prompts x 16 responses, beta 0.30 and eps_F 0.05.
+extending the sum. The paper uses 16 prompts x 16 responses, beta 0.30 and eps_F 0.05; the command
+takes beta and eps_F from the run's objective.beta and objective.cost_clip unless given.
 """
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ def parse_horizons(text: str) -> list[Horizon]:
 def _config(source: Path, overrides: Sequence[str], prompts: int, responses: int,
             max_response_len: Optional[int]):
     """The run's (or a config file's) config, reshaped to one process and one prompt batch (one
-    micro-batch per prompt's responses; an override `parallel.micro_batch_size=...` wins)."""
-    from megapkl.analysis.eval_cli import SINGLE_PROCESS
-    from megapkl.config import load_config
+    micro-batch per prompt's responses; an override `parallel.micro_batch_size=...` wins), its
+    rollout fleet to what one process places here (eval_cli.one_process: refused up front, with
+    the memory figures, when a Learner of the model does not fit one GPU)."""
+    from megapkl.analysis.eval_cli import SINGLE_PROCESS, single_process_config
 
     path = source / "config.yaml" if source.is_dir() else source
     if not path.exists():
@@ -89,7 +91,10 @@ def _config(source: Path, overrides: Sequence[str], prompts: int, responses: int
              "logging.tensorboard=false"]
     if max_response_len is not None:
         shape.append(f"rollout.max_response_len={max_response_len}")
-    return load_config(path, [*shape, *overrides])
+    cfg, placed = single_process_config(path, [*shape, *overrides], overrides, learner=True,
+                                        what="diagnose")
+    print(f"rollouts: {placed.says}", flush=True)
+    return cfg
 
 
 def _checkpoint(cfg, given: Optional[str]) -> Optional[Path]:
@@ -160,11 +165,15 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
 
 def run_correction_variance(source: str, *, checkpoint: Optional[str] = None, reference: str = "init",
                             prompts: int = 16, responses: int = 16,
-                            horizons: Sequence[Horizon] = DEFAULT_HORIZONS, beta: float = 0.30,
-                            eps_f: Optional[float] = 0.05, max_response_len: Optional[int] = None,
+                            horizons: Sequence[Horizon] = DEFAULT_HORIZONS,
+                            beta: Optional[float] = None, eps_f: Union[float, None, str] = "config",
+                            max_response_len: Optional[int] = None,
                             overrides: Sequence[str] = (), out: Optional[str] = None) -> dict:
-    """The C.3 diagnostic on a run directory (its latest checkpoint) or a config file."""
+    """The C.3 diagnostic on a run directory (its latest checkpoint) or a config file. beta and
+    eps_F default to the run's objective.beta and objective.cost_clip (eps_f=None: no clip)."""
     cfg = _config(Path(source), overrides, prompts, responses, max_response_len)
+    beta = cfg.objective.beta if beta is None else beta
+    eps_f = cfg.objective.cost_clip if eps_f == "config" else eps_f
     current, ref = _checkpoint(cfg, checkpoint), _checkpoint(cfg, reference)
     l_by_prompt = sample_log_ratios(cfg, current, ref, responses)
     lengths = [l.numel() for rs in l_by_prompt for l in rs]
@@ -192,10 +201,13 @@ def format_table(result: dict) -> str:
 
 def add_subcommand(sub) -> None:
     """`megapkl diagnose correction-variance ...` (registered by megapkl/cli.py)."""
+    from megapkl.launch.cli import _IntermixedParser
+
     diag = sub.add_parser("diagnose", help="the papers' fixed-policy diagnostics")
     kinds = diag.add_subparsers(dest="diagnostic", required=True)
     cv = kinds.add_parser("correction-variance",
                           help="PKL C.3: variance of the first-token future-KL correction vs H")
+    cv.__class__ = _IntermixedParser  # KEY=VALUE anywhere on the line
     cv.add_argument("source", metavar="RUN_DIR_OR_CONFIG")
     cv.add_argument("--checkpoint", default=None,
                     help="current policy: a checkpoint step directory, 'init', or the run's latest (default)")
@@ -205,8 +217,10 @@ def add_subcommand(sub) -> None:
     cv.add_argument("--responses", type=int, default=16)
     cv.add_argument("--horizons", type=parse_horizons, default=list(DEFAULT_HORIZONS),
                     help="comma-separated H values or 'full' (default 1,2,4,8,16,32,64,full)")
-    cv.add_argument("--beta", type=float, default=0.30)
-    cv.add_argument("--eps-f", default="0.05", help="cost clip eps_F, or 'none' (default 0.05)")
+    cv.add_argument("--beta", type=float, default=None,
+                    help="credit scale (default: the run's objective.beta)")
+    cv.add_argument("--eps-f", default=None,
+                    help="cost clip eps_F, or 'none' (default: the run's objective.cost_clip)")
     cv.add_argument("--max-response-len", type=int, default=None)
     cv.add_argument("--out", default=None, help="also write the result as JSON")
     cv.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -214,7 +228,8 @@ def add_subcommand(sub) -> None:
 
 
 def _cmd(args) -> int:
-    eps = None if str(args.eps_f).lower() == "none" else float(args.eps_f)
+    eps = ("config" if args.eps_f is None else None if str(args.eps_f).lower() == "none"
+           else float(args.eps_f))
     result = run_correction_variance(args.source, checkpoint=args.checkpoint, reference=args.reference,
                                      prompts=args.prompts, responses=args.responses,
                                      horizons=args.horizons, beta=args.beta, eps_f=eps,

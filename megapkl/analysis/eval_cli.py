@@ -4,10 +4,14 @@ Loads the run's resolved config (RUN_DIR/config.yaml) and a complete megapkl che
 latest of the run, `--step N`, or the checkpoint directory given), rebuilds the policy in this one
 process (the distributed checkpoint reshards to TP = PP = 1), streams its weights to a rollout
 engine through `update_weights` exactly as training does, and evaluates. Results go to
-RUN_DIR/eval/step_XXXXXX.json and .samples.jsonl (or --out).
+RUN_DIR/eval-cli/step_XXXXXX.json and .samples.jsonl (or --out): beside the run's own records in
+RUN_DIR/eval/, never over them.
 
 Any run directory is evaluated in this one process, whatever its job shape: the parallel layout
-and the Slurm allocation are reset to one process below. The run's config.yaml is resolved, so
+and the Slurm allocation are reset to one process below, and the rollout fleet to what one process
+can place (`one_process`): the run's SGLang servers on the GPUs beside this process's one when the
+machine has enough, else one server on this process's GPU; a model that does not fit one GPU is
+refused up front with the memory figures. The run's config.yaml is resolved, so
 each benchmark spells out its own `greedy` and `n_samples`; `eval.greedy` / `eval.n_samples` given
 on the command line therefore apply to every benchmark evaluated (a greedy one keeps 1 sample).
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,6 +28,107 @@ SINGLE_PROCESS = ("parallel.tensor=1", "parallel.pipeline=1", "parallel.context=
                   "parallel.virtual_pipeline=null", "slurm.nodes=null", "slurm.gpus_per_node=null",
                   "checkpoint.resume=false")
 SECTION_KEYS = ("eval.greedy", "eval.n_samples")  # applied to every benchmark evaluated
+OUT_DIR = "eval-cli"  # RUN_DIR/eval holds what the run recorded during training: never written here
+GIB = 2.0 ** 30
+
+
+@dataclass
+class OneProcess:
+    """How a run is rebuilt in one process: config overrides, and one line saying where the
+    rollouts are made."""
+
+    overrides: list[str]
+    says: str
+
+
+def _fleet(cfg, gpus: int) -> OneProcess:
+    """The run's rollout engine as one process can place it (placement.py's arithmetic: this
+    process is one trainer rank on GPU 0, dedicated servers take the GPUs after it)."""
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang":
+        return OneProcess([], "the embedded engine, as configured")
+    if sg.urls:
+        return OneProcess([], f"the run's SGLang servers at {', '.join(sg.urls)}")
+    fleet = f"{sg.num_engines} x {sg.tp} GPU(s)"
+    n = min(sg.num_engines, (gpus - 1) // sg.tp) if gpus else 0  # dedicated, beside GPU 0
+    if n >= 1:
+        how = "the run's SGLang fleet" if n == sg.num_engines else \
+            f"{n} of the run's {sg.num_engines} SGLang servers"
+        return OneProcess(["rollout.sglang.colocate=false", f"rollout.sglang.num_engines={n}"],
+                          f"{how} ({n} x {sg.tp} GPU(s)) on GPUs 1-{n * sg.tp}, beside this process")
+    return OneProcess(["rollout.sglang.colocate=true", "rollout.sglang.num_engines=1",
+                       "rollout.sglang.tp=1", "rollout.sglang.ep=1", "rollout.sglang.use_router=false"],
+                      f"one SGLang server on this process's {'GPU' if gpus else 'CPU'} (the run's "
+                      f"fleet, {fleet}, does not fit the {gpus} GPU(s) here)")
+
+
+def one_gpu_bytes(cfg, *, learner: bool, dedicated: bool) -> dict[str, float]:
+    """What this process puts on its one GPU, in bytes: the policy in the model dtype, with
+    `learner` (diagnose) its fp32 gradients, optimizer state (fp32 main copy + Adam, 12 bytes per
+    parameter; 8 for an fp32 model) and the reference snapshot; the engine's weights unless they
+    live on servers of their own (`dedicated`) or elsewhere (urls)."""
+    from megapkl.launch.plan import served_weight_bytes, total_params  # arithmetic only
+    from megapkl.models.spec import spec_from_model_config
+
+    spec = spec_from_model_config(cfg.model)
+    params = total_params(spec)
+    per = 4 if cfg.model.dtype == "fp32" else 2
+    rows = {"weights": params * per}
+    if learner:
+        rows["gradients, optimizer, reference"] = params * (4 + (8 if per == 4 else 12) + per)
+    if cfg.rollout.engine != "sglang":
+        rows["engine copy"] = params * per
+    elif not cfg.rollout.sglang.urls and not dedicated:
+        rows["engine copy"] = served_weight_bytes(spec, cfg.rollout.fp8)
+    return rows
+
+
+def one_process(cfg, *, gpus: int, gpu_gib: Optional[float], learner: bool = False,
+                what: str = "eval") -> OneProcess:
+    """The overrides that rebuild run config `cfg` in one process on this machine (`gpus` GPUs of
+    `gpu_gib` GiB each; 0 and None on a CPU machine, where memory is not checked). EvalError, with
+    the figures and what works instead, when the model does not fit one GPU."""
+    from megapkl.eval.runner import EvalError
+
+    placed = _fleet(cfg, gpus)
+    dedicated = "rollout.sglang.colocate=false" in placed.overrides
+    rows = one_gpu_bytes(cfg, learner=learner, dedicated=dedicated)
+    total = sum(rows.values()) / GIB
+    if gpu_gib is not None and total > gpu_gib:
+        parts = " + ".join(f"{k} {v / GIB:.1f}" for k, v in rows.items())
+        instead = ("a config of a smaller model of the same family (a Learner with its optimizer "
+                   "is built in one process)" if learner else
+                   f"a machine with {1 + cfg.rollout.sglang.num_engines * cfg.rollout.sglang.tp} "
+                   "GPUs (the run's own SGLang fleet holds the engine's weights), or "
+                   "rollout.sglang.urls of running servers" if "engine copy" in rows else
+                   "a GPU with more memory")
+        raise EvalError(f"{what}: {cfg.model.name} needs about {total:.1f} GiB on one GPU ({parts}"
+                        f" GiB), this GPU has {gpu_gib:.1f} GiB; what works instead: {instead}")
+    return placed
+
+
+def this_machine() -> tuple[int, Optional[float]]:
+    """(visible GPUs, GiB of the first) of this process; (0, None) without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, None
+    return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GIB
+
+
+def single_process_config(path: Path, base: Sequence[str], given: Sequence[str] = (), *,
+                          learner: bool = False, what: str = "eval"):
+    """(config of run config `path` reshaped to one process on this machine, OneProcess): `base`
+    (overrides, in order, that already reset the layout), then the fleet fitted to this machine
+    except the rollout keys the command line `given` sets itself."""
+    from megapkl.config import load_config
+
+    gpus, gib = this_machine()
+    placed = one_process(load_config(path, list(base)), gpus=gpus, gpu_gib=gib, learner=learner,
+                         what=what)
+    mine = {o.split("=", 1)[0].strip() for o in given}
+    fit = [o for o in placed.overrides if o.split("=", 1)[0] not in mine]
+    return load_config(path, [*base, *fit]), placed
 
 
 def find_run(path: Path, step: Optional[int]) -> tuple[Path, Optional[Path]]:
@@ -114,7 +220,6 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
              step: Optional[int] = None, out: Optional[str] = None) -> dict:
     import json
 
-    from megapkl.config import load_config
     from megapkl.rollout.factory import build_run_engine, load_tokenizer
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
@@ -123,7 +228,9 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     from megapkl import runlog
 
     runlog.attach(run)  # other libraries' warnings: into the run's megapkl.log
-    cfg = load_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS])
+    cfg, placed = single_process_config(run / "config.yaml", [*overrides, *SINGLE_PROCESS],
+                                        overrides)
+    print(f"rollouts: {placed.says}", flush=True)
     ckpt = resolve_checkpoint(cfg, run, ckpt, step)
     version = json.loads((ckpt / "complete").read_text())["step"]
     tokenizer = load_tokenizer(cfg.model, cfg.data, required=False)
@@ -141,7 +248,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
         engine.close()
     summary = {"step": version, "checkpoint": str(ckpt), **summarize_records(benches, records),
                "settings": settings(cfg.eval, cfg.rollout, benches)}
-    paths = write_results(out or run / "eval", version, summary, records)
+    paths = write_results(out or run / OUT_DIR, version, summary, records)
     summary["files"] = [str(p) for p in paths]
     return summary
 
@@ -176,11 +283,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub) -> None:
+    from megapkl.launch.cli import _IntermixedParser
+
     ev = sub.add_parser("eval", help="evaluate a run's checkpoint on benchmarks")
+    ev.__class__ = _IntermixedParser  # KEY=VALUE anywhere on the line
     ev.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
     ev.add_argument("--benchmarks", nargs="+", metavar="NAME",
                     help="benchmark names (default: the run's eval.benchmarks)")
     ev.add_argument("--step", type=int, help="the checkpoint after this many updates (default: latest)")
-    ev.add_argument("--out", help="output directory (default: RUN_DIR/eval)")
+    ev.add_argument("--out", help=f"output directory (default: RUN_DIR/{OUT_DIR}; RUN_DIR/eval "
+                    "holds the in-training evaluation and is never written)")
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. eval.n_samples=4")
     ev.set_defaults(func=cmd_eval)

@@ -52,7 +52,8 @@ def _diagnose(run_dir, out):
     from megapkl.cli import main
 
     return main(["diagnose", "correction-variance", str(run_dir), "--prompts", "4", "--responses", "4",
-                 "--horizons", "1,2,full", "--max-response-len", "6", "--out", str(out)])
+                 "--horizons", "1,2,full", "logging.progress_bar=false", "--max-response-len", "6",
+                 "--out", str(out)])
 
 
 def test_command_on_a_short_demo_run(dist_run, tmp_path):
@@ -62,12 +63,14 @@ def test_command_on_a_short_demo_run(dist_run, tmp_path):
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         "parallel.data=1", "train.steps=4", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0",
         "logging.tensorboard=false", "logging.progress_bar=false", "rollout.prompts_per_batch=4",
-        "rollout.responses_per_prompt=4", "parallel.micro_batch_size=16", "train.lr=0.05"])
+        "rollout.responses_per_prompt=4", "parallel.micro_batch_size=16", "train.lr=0.05",
+        "objective.beta=0.2", "objective.cost_clip=0.1"])
     dist_run(_rank_main, 1, cfg, timeout=300)
     out = tmp_path / "cv.json"
     dist_run(lambda rank, world: _diagnose(tmp_path / "run", out), 1, timeout=300)
     res = json.loads(out.read_text())
     assert res["current"].endswith("step_00000004") and res["reference"] == "init", res
+    assert (res["beta"], res["eps_F"]) == (0.2, 0.1)  # the run's objective.beta, cost_clip
     v = res["V"]
     assert set(v) == {"1", "2", "full"} and all(math.isfinite(x) and x >= 0 for x in v.values())
     assert v["1"] > 0, "the trained policy differs from its initial weights: corrections vary"

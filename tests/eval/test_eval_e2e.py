@@ -96,6 +96,20 @@ def test_megapkl_eval_of_the_checkpoint_matches_in_training_eval(demo_run, tmp_p
     assert read_jsonl(out / f"step_{STEPS:06d}.samples.jsonl") == greedy
 
 
+def test_megapkl_eval_writes_beside_the_runs_own_record(demo_run):
+    """Without --out: RUN_DIR/eval-cli, the run's in-training RUN_DIR/eval untouched; a KEY=VALUE
+    after the options is an override."""
+    own = {p.name: p.read_bytes() for p in (demo_run / "eval").iterdir()}
+    stdout = megapkl("eval", str(demo_run), "--step", str(STEPS), "eval.n_samples=2",
+                     "--benchmarks", "add_mod10")
+    assert "rollouts: the embedded engine" in stdout
+    assert {p.name: p.read_bytes() for p in (demo_run / "eval").iterdir()} == own
+    cli = json.loads((demo_run / "eval-cli" / f"step_{STEPS:06d}.json").read_text())
+    bench = cli["benchmarks"]["add_mod10"]
+    assert list(cli["benchmarks"]) == ["add_mod10"]
+    assert bench["num_samples"] == 2 * bench["num_prompts"]  # n_samples 4 in training
+
+
 def test_megapkl_eval_errors_are_one_line(tmp_path, capsys):
     from megapkl.cli import main
 
