@@ -108,12 +108,16 @@ def one_process(cfg, *, gpus: int, gpu_gib: Optional[float], learner: bool = Fal
 
 
 def this_machine() -> tuple[int, Optional[float]]:
-    """(visible GPUs, GiB of the first) of this process; (0, None) without CUDA."""
+    """(GPUs, GiB of the first) of this process; (0, None) without CUDA. The count as the server
+    launcher reads it (rollout/sglang/build.py engine_slots): Slurm's, else CUDA's."""
+    import os
+
     import torch
 
     if not torch.cuda.is_available():
         return 0, None
-    return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GIB
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count()
+    return gpus, torch.cuda.get_device_properties(0).total_memory / GIB
 
 
 def single_process_config(path: Path, base: Sequence[str], given: Sequence[str] = (), *,
