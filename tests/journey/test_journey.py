@@ -302,14 +302,16 @@ def test_eval_latest_checkpoint_as_in_training(pkl_run):
     answers those of the in-training evaluation of the same weights (2 ranks there, 1 here)."""
     run, steps = pkl_run
     in_training = steps["in_training_eval"]
+    own = (run / "eval" / "step_000004.samples.jsonl").read_bytes()
     out = megapkl(*doc(f"megapkl eval {PKL_RUN}")).ok().out
-    assert "(update 4)" in out
-    summary = json.loads((run / "eval" / "step_000004.json").read_text())
+    assert "(update 4)" in out and "rollouts: the embedded engine" in out
+    assert (run / "eval" / "step_000004.samples.jsonl").read_bytes() == own  # the run's record
+    summary = json.loads((run / "eval-cli" / "step_000004.json").read_text())
     assert summary["step"] == 4 and sorted(summary["benchmarks"]) == sorted(EVAL_SETS)
     key = lambda r: (r["benchmark"], r["prompt_id"])  # noqa: E731
     before = sorted((r for r in map(json.loads, in_training["step_000004.samples.jsonl"]
                                     .splitlines()) if r["benchmark"] in GREEDY), key=key)
-    assert before and sorted(samples(run / "eval", "step_000004.samples.jsonl", True),
+    assert before and sorted(samples(run / "eval-cli", "step_000004.samples.jsonl", True),
                              key=key) == before
 
 
@@ -318,14 +320,14 @@ def test_eval_step_benchmarks_and_n_samples(pkl_run):
     cmd = f"megapkl eval {PKL_RUN} --step 1400 --benchmarks math500 aime24 eval.n_samples=32"
     out = megapkl(*doc(cmd, **{"--step 1400": "--step 3"})).ok().out
     assert "(update 3)" in out
-    summary = json.loads((run / "eval" / "step_000003.json").read_text())
+    summary = json.loads((run / "eval-cli" / "step_000003.json").read_text())
     assert summary["checkpoint"].endswith("step_00000003")
     assert sorted(summary["benchmarks"]) == ["aime24", "math500"]
     assert summary["settings"]["benchmarks"]["aime24"]["n_samples"] == 32  # the override
     assert summary["benchmarks"]["aime24"]["num_samples"] == 2 * 32
     assert summary["benchmarks"]["math500"]["num_samples"] == 2  # greedy: one each
     per_prompt = {}
-    for r in samples(run / "eval", "step_000003.samples.jsonl"):
+    for r in samples(run / "eval-cli", "step_000003.samples.jsonl"):
         per_prompt.setdefault((r["benchmark"], r["prompt_id"]), []).append(r["sample"])
     assert sorted(map(len, per_prompt.values())) == [1, 1, 32, 32]
 
@@ -366,6 +368,24 @@ def test_eval_of_an_sglang_run_uses_its_servers(sis_run):
     assert read_jsonl(Path("results/sis/step_000004.samples.jsonl")) == during
 
 
+def test_eval_of_an_sglang_run_with_its_paper_fleet(sis_run, work):
+    """The SIS run as its paper config places it (2 servers of 2 GPUs each behind a router, no
+    such GPUs here): evaluated on the one server this process can place, and saying so."""
+    from megapkl.config import dump_config, load_config
+
+    run, _ = sis_run
+    shaped = work / "runs" / "sis_t4_qwen3_30b_a3b_dapo_sis_r3_cluster"
+    shaped.mkdir()
+    fleet = ["rollout.sglang.num_engines=2", "rollout.sglang.tp=2", "rollout.sglang.ep=2",
+             "rollout.sglang.use_router=true", f"run_dir={shaped}"]
+    (shaped / "config.yaml").write_text(dump_config(load_config(run / "config.yaml", fleet)))
+    out = megapkl("eval", shaped, "--benchmarks", "amc23", "eval.n_samples=2").ok().out
+    assert "rollouts: one SGLang server on this process's CPU (the run's fleet, 2 x 2 GPU(s)" in out
+    summary = json.loads((shaped / "eval-cli" / "step_000004.json").read_text())
+    assert summary["benchmarks"]["amc23"]["num_samples"] == 2 * 2
+    assert sorted(p.name for p in (shaped / "sglang" / "logs").glob("*.log")) == ["engine0.log"]
+
+
 def test_plot(pkl_run, sis_run, work):
     cmd = f"megapkl plot {PKL_RUN} runs/pkl_t4_qwen3_1p7b_grpo --out plots/pkl_vs_grpo --ema 0.2"
     megapkl(*doc(cmd, **{"runs/pkl_t4_qwen3_1p7b_grpo": SIS_RUN})).ok()
@@ -399,7 +419,7 @@ def test_eval_and_diagnose_whatever_the_job_shape(pkl_run, work):
                f"run_dir={shaped}"]
     (shaped / "config.yaml").write_text(dump_config(load_config(run / "config.yaml", cluster)))
     out = megapkl("eval", shaped, "--benchmarks", "math500").ok().out
-    assert "(update 4)" in out and (shaped / "eval" / "step_000004.json").is_file()
+    assert "(update 4)" in out and (shaped / "eval-cli" / "step_000004.json").is_file()
     megapkl("diagnose", "correction-variance", shaped, "--prompts", "2", "--responses", "2",
             "--horizons", "1,full").ok()
 
