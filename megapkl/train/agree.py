@@ -36,12 +36,13 @@ class RankError:
     kind: str        # the exception's class name
     message: str     # on one line
     outage: bool     # an engine could not serve (RolloutEngineError): the engines are down
+    where: str = ""  # the local step that raised, for a failure carried to a later agreement
 
     @classmethod
-    def of(cls, exc: BaseException) -> "RankError":
+    def of(cls, exc: BaseException, where: str = "") -> "RankError":
         rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(rank, type(exc).__name__, one_line(str(exc)) or type(exc).__name__,
-                   isinstance(exc, RolloutEngineError))
+                   isinstance(exc, RolloutEngineError), where)
 
     def describe(self) -> str:
         return self.message if self.outage else f"{self.kind}: {self.message}"
@@ -100,7 +101,8 @@ def agree(error: Optional[RankError], group: Any = None, *, what: str,
         if many:
             said = [None] * dist.get_world_size(group)
             dist.all_gather_object(said, error, group=group)
-        raise RanksFailed(what, [e for e in said if e is not None])
+        errors = [e for e in said if e is not None]
+        raise RanksFailed(errors[0].where or what, errors)
     return [int(x) for x in vec[1:].tolist()]
 
 
@@ -109,6 +111,32 @@ def agreed(fn: Callable[[], T], group: Any = None, *, what: str) -> T:
     result, error = attempt(fn)
     agree(error, group, what=what)
     return result  # type: ignore[return-value]
+
+
+class Carried:
+    """Rank-local steps between agreement points (logging, rank 0's files): what one raises is
+    kept, not raised, so this rank reaches the next agreement with its peers and the failure is
+    agreed there (`take()` hands it over). Once a step failed, the later ones are skipped."""
+
+    def __init__(self) -> None:
+        self.error: Optional[RankError] = None
+
+    def run(self, fn: Callable[[], T], where: str, default: Any = None) -> Any:
+        """`fn()`, or `default` when it (or an earlier step) failed. An agreed failure
+        (RanksFailed: every rank raises it) is raised, not carried."""
+        if self.error is not None:
+            return default
+        try:
+            return fn()
+        except RanksFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - agreed at the next agreement point
+            self.error = RankError.of(exc, where)
+            return default
+
+    def take(self) -> Optional[RankError]:
+        error, self.error = self.error, None
+        return error
 
 
 def _world() -> Any:

@@ -112,38 +112,55 @@ class CheckpointManager:
 def save(cfg, parts: dict[str, Any], step: int, layout: dict[str, int]) -> Path:
     """Collective: write the step-`step` checkpoint of `parts` atomically; returns its directory.
     A failure on any rank (a full disk, a quota, an I/O error) is agreed: CheckpointError on every
-    rank, and the previous checkpoint is intact."""
+    rank, and the previous checkpoint is intact. Rank 0's own file operations (the directory, the
+    trainer state, the manifest, the rename and the pruning) are agreed like the parts' writes:
+    no rank waits in a barrier for a rank that raised."""
     rank = dist.get_rank()
     final, tmp = step_dir(cfg, step), partial_dir(cfg, step)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    error: Optional[RankError] = None
-    try:
-        _write(parts, tmp, step, layout)
-    except _SAVE_ERRORS as exc:
-        error = RankError.of(exc)
-    try:
-        agree(error, what=f"saving the step-{step} checkpoint")
-    except RanksFailed as exc:
+
+    def prepare() -> None:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        prev = latest(cfg)
-        why = "; ".join(dict.fromkeys(_last_line(e.message) for e in exc.errors))
-        raise CheckpointError(
-            f"saving the step-{step} checkpoint under {tmp} failed ({why}; "
-            f"{_free_kb(tmp.parent)} kB free there); "
-            + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
-        ) from None
-    if rank == 0:
-        _commit(tmp, final)
-        _prune(cfg)
-    dist.barrier()
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            tmp.mkdir(parents=True)
+
+    def commit() -> None:
+        if rank == 0:
+            _commit(tmp, final)
+            _prune(cfg)
+    for work in (prepare, lambda: _write(parts, tmp, step, layout), commit):
+        _saved_or_failed(cfg, step, tmp, _attempt_save(work), final if work is commit else None)
     return final
 
 
+def _attempt_save(work) -> Optional[RankError]:
+    try:
+        work()
+    except _SAVE_ERRORS as exc:
+        return RankError.of(exc)
+    return None
+
+
+def _saved_or_failed(cfg, step: int, tmp: Path, error: Optional[RankError],
+                     final: Optional[Path]) -> None:
+    """Collective: agree on one stage of a save; CheckpointError on every rank if it failed."""
+    try:
+        agree(error, what=f"saving the step-{step} checkpoint")
+    except RanksFailed as exc:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest(cfg)
+        why = "; ".join(dict.fromkeys(_last_line(e.message) for e in exc.errors))
+        where = f"committing {final}" if final is not None else f"saving the step-{step} " \
+            f"checkpoint under {tmp}"
+        raise CheckpointError(
+            f"{where} failed ({why}; {_free_kb(tmp.parent)} kB free there); "
+            + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
+        ) from None
+
+
 def _write(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]) -> None:
+    """Every part's files and state (collective), then rank 0's trainer state and manifest: its
+    local writes come last, so a failure there is agreed by the caller, not met in a barrier."""
     rank = dist.get_rank()
     for part in parts.values():  # collective
         if hasattr(part, "save_files"):
@@ -152,11 +169,11 @@ def _write(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]) 
     for name, part in parts.items():  # collective for some (the loop gathers its batch)
         if hasattr(part, "state_dict"):
             state[name] = part.state_dict()
-    if rank == 0:
-        torch.save(state, tmp / STATE)
     _fsync_mine(tmp, rank)
-    dist.barrier()
-    if rank == 0:
+    if rank == 0:  # every rank's data files are megatron's (flushed by their writers above)
+        torch.save(state, tmp / STATE)
+        with open(tmp / STATE, "rb") as fh:
+            os.fsync(fh.fileno())
         manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
                     "layout": layout, "files": _sizes(tmp)}
         _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))

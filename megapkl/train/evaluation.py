@@ -2,7 +2,7 @@
 
 Training pauses for it: every rank takes part in writing the current weights into the version
 store (the collective export; the next update does not export them again), each data-parallel
-replica's engine loads them from there and evaluates every dp_size-th prompt of each benchmark, the records are gathered on rank 0, which writes RUN_DIR/eval/step_XXXXXX.json
+replica's engine loads them from there and evaluates every dp_size-th prompt of each benchmark, the records are gathered on rank 0, which writes (agreed: a failed write stops every rank) RUN_DIR/eval/step_XXXXXX.json
 (+ .samples.jsonl) and returns the scalars that go into that update's metrics.jsonl row and
 TensorBoard (`eval/<benchmark>/<metric>`, `eval/micro_avg/accuracy`, `eval/version`). The engine
 gets its previous weights back afterwards, so the rollout schedule (and a resumed run) sees the
@@ -49,13 +49,17 @@ class Evaluator:
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, records)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return {}
-        everything = [r for part in gathered for r in part]
-        summary = {"step": version, **summarize_records(self.benchmarks, everything),
-                   "settings": settings(self.cfg, self.rollout_cfg, self.benchmarks)}
-        write_results(self.out_dir, version, summary, everything)
-        return flat_metrics(summary)
+        summary: dict = {}
+
+        def results() -> None:  # rank 0: the files; agreed, so a full disk stops every rank
+            everything = [r for part in gathered for r in part]
+            summary.update({"step": version, **summarize_records(self.benchmarks, everything),
+                            "settings": settings(self.cfg, self.rollout_cfg, self.benchmarks)})
+            write_results(self.out_dir, version, summary, everything)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        _, error = attempt(results) if rank0 else (None, None)
+        agree(error, what="writing the evaluation's results")
+        return flat_metrics(summary) if rank0 else {}
 
     def _evaluate_here(self, version: int):
         """(None, this rank's records), or (what failed here, [])."""

@@ -13,7 +13,10 @@
         evaluate (eval.every); log; checkpoint when due; stop on a signal or a preemption
 
 A failure of the weights' export, the rollout or the evaluation on any rank stops every rank alike
-(megapkl.train.agree): the finished updates are checkpointed and the run ends with one line.
+(megapkl.train.agree): the finished updates are checkpointed and the run ends with one line. The
+rank-local steps between them (logging, rank 0's files) carry what they raise to the update's one
+stop all-reduce (`end_update`), which agrees it. After the first update the process groups' timeout
+is shortened to what an update needs, so a failure no agreement covers costs minutes.
 `run(cfg)` is called on every rank with torch.distributed up (Slurm/torchrun/forked) or alone.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -31,7 +35,7 @@ from megapkl import runlog
 from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
-from megapkl.train.agree import RanksFailed, agreed
+from megapkl.train.agree import Carried, RanksFailed, agreed
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
@@ -80,12 +84,20 @@ def may_generate_from(s: Schedule, version: int) -> bool:
     return True  # on_policy uses every version; uniform_stale may draw any recent one
 
 
+# After the first update: a collective waits at most this many times that update's wall time
+# (within the bounds below) before it fails; a slower later update (longer responses, a
+# checkpoint, an evaluation) must fit in it.
+STEP_TIMEOUT_FACTOR = 20
+STEP_TIMEOUT_MIN_S, STEP_TIMEOUT_MAX_S = 120.0, 1800.0
+
+
 class Trainer:
     """The run's components, each built from its config section and closed by `context` however
     the run ends; `run()` is the loop."""
 
     def __init__(self, cfg, context: RunContext) -> None:
         self.cfg, self.context, self.timers = cfg, context, Timers()
+        self.carried = Carried()  # rank-local failures, agreed at the end of the update
         self.groups = g = init_groups(cfg)
         self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
         context.lock(self.run_dir)  # before anything is launched
@@ -99,23 +111,20 @@ class Trainer:
             cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule,
             context.stopping),
             what="starting the rollouts")
+        context.on_exit(self.rollouts.stop_ahead)  # its generation thread, before its engine
         self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
         self.checkpoints = ckpt.CheckpointManager(cfg, {
             "learner": self.learner, "rollouts": self.rollouts, "loop": self.loop},
             layout={"tp": g.tp_size, "pp": g.pp_size, "cp": g.cp_size, "dp": g.dp_size,
                     "ep": g.ep_size}, timers=self.timers)
         self.loop.update = self.checkpoints.resume()
-        if self.rank == 0:
-            self._announce()
-        self.logger = context.hold(MetricsLogger(
-            self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
-            resume=self.loop.update > 0, wandb=cfg.logging.wandb, run_name=cfg.name))
+        self.logger = context.hold(agreed(self._start_logs, what="starting the run's logs"))
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, float]:
         self.timers.start()
+        self.started = (self.loop.update, time.monotonic())  # the first update's wall time
         last, pending = {}, self.evaluate_at_start()
         for u in range(self.loop.update, self.cfg.train.steps):
             plan = self.schedule.plan(u)
@@ -129,14 +138,14 @@ class Trainer:
                 exact = self.reference_forwards(micro_batches, minibatch, plan)
             with self.timers("train"):
                 metrics, applied = self.learner.train_step(micro_batches, step=u)
-            self.loop.count(u, metrics, applied)  # a non-finite loss skips; too many in a row stop
-            self.loop.update = u + 1
+            self.count(u, metrics, applied)  # a non-finite loss skips; too many in a row stop
             metrics.update(exact, **pending, **self.rollout_metrics(plan, minibatch))
             with self.stop_on_failure(u + 1, row=metrics):
                 metrics.update(self.evaluate(u))
             last, pending = self.log(u, metrics), {}
-            if self.end_update(u):  # checkpoint when due; stop on a signal or a preemption
-                break
+            with self.stop_on_failure(u + 1, during=u):  # what this rank's log raised, agreed
+                if self.end_update(u):  # checkpoint when due; stop on a signal or a preemption
+                    break
         return last
 
     # ------------------------------------------------------------------ steps of an update
@@ -205,16 +214,18 @@ class Trainer:
             return self.evaluator.run(u + 1)
 
     @contextlib.contextmanager
-    def stop_on_failure(self, finished: int, row: Optional[dict] = None) -> Iterator[None]:
+    def stop_on_failure(self, finished: int, row: Optional[dict] = None,
+                        during: Optional[int] = None) -> Iterator[None]:
         """A failure agreed by every rank (RanksFailed) while `finished` updates are done: log the
         finished update's `row` (the evaluation after it failed), checkpoint the finished updates,
-        and stop the run with one line."""
+        and stop the run with one line naming update `during` (default: the one not finished)."""
         try:
             yield
         except RanksFailed as exc:
             if row is not None:
                 self.log(finished - 1, row)
-            failed = finished - (row is not None)  # the update whose work failed
+                self.carried.take()  # the run stops with `exc` anyway
+            failed = finished - (row is not None) if during is None else during
             stop = self.context.stop_requested() if exc.outage else None  # every rank is here
             if stop:  # the engines went down with the signal that stops the run (a preemption
                 # reaches the servers launched in the job too): checkpoint, and requeue / stop
@@ -255,12 +266,22 @@ class Trainer:
                "tokens_per_s": tok / max(self.timers.totals["train"], 1e-9)}
         return {**out, **(self.rollouts.load_metrics() if plan.new_batch else {})}
 
+    def count(self, u: int, metrics: dict, applied: bool) -> None:
+        """Update u is done (a non-finite loss skipped it); too many skips in a row stop the run,
+        every rank alike (the loss is global), with the finished updates checkpointed."""
+        self.loop.update = u + 1
+        try:
+            self.loop.count(u, metrics, applied)
+        except TrainingError as exc:
+            raise TrainingError(f"{exc} {self.checkpoints.save_finished(u + 1)[1]}") from None
+
     def log(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Rank-local (rank 0 writes): what it raises is agreed at the end of the update."""
         metrics["train/forward_passes"] = float(self.learner.forward_passes)
         self.learner.forward_passes = 0
         metrics.update(self.timers.lap())  # what this update's wall time went to
         with self.timers("log"):
-            self.logger.log(u, metrics)
+            self.carried.run(lambda: self.logger.log(u, metrics), where="the metrics log")
         return metrics
 
     def end_update(self, u: int) -> bool:
@@ -268,7 +289,12 @@ class Trainer:
         preemption on any rank, asked in one collective); True to stop. After the last update,
         checkpoint.export_hf also writes the final weights in Hugging Face format."""
         more = u + 1 < self.cfg.train.steps  # a preempted last update: done, nothing to requeue
-        stop = self.context.stop_requested() if more else None
+        stop = self.context.stop_requested(self.carried.take())  # the update's one agreement
+        stop = stop if more else None
+        first, t0 = self.started
+        if u == first:  # startup is over: a collective now waits what an update needs
+            took = STEP_TIMEOUT_FACTOR * (time.monotonic() - t0)
+            self.context.shorten_timeouts(min(max(took, STEP_TIMEOUT_MIN_S), STEP_TIMEOUT_MAX_S))
         if stop or self.checkpoints.due(u + 1):
             path = self.checkpoints.save(u + 1)
             if stop:
@@ -276,9 +302,11 @@ class Trainer:
         if not more and self.cfg.checkpoint.export_hf:
             from megapkl.models.hf import save_hf_checkpoint
 
-            with self.timers("checkpoint"):  # collective; rank 0 writes
-                save_hf_checkpoint(self.learner.model, Path(self.cfg.checkpoint.dir) / "hf",
-                                   spec=self.learner.spec, groups=self.groups)
+            with self.timers("checkpoint"):  # collective; rank 0 writes last: agreed after it
+                agreed(lambda: save_hf_checkpoint(
+                    self.learner.model, Path(self.cfg.checkpoint.dir) / "hf",
+                    spec=self.learner.spec, groups=self.groups),
+                    what="exporting the Hugging Face checkpoint")
         return stop is not None
 
     # ------------------------------------------------------------------ construction
@@ -294,6 +322,16 @@ class Trainer:
             cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
             out_dir=self.run_dir / "eval", dp=(self.groups.dp_rank, self.groups.dp_size),
             rollouts=self.rollouts, export=self.learner.export))
+
+    def _start_logs(self) -> MetricsLogger:
+        """The metrics logger (rank 0 writes), after rank 0's announcement (agreed: the files)."""
+        cfg = self.cfg
+        if self.rank == 0:
+            self._announce()
+        return MetricsLogger(
+            self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress_bar, total_steps=cfg.train.steps,
+            resume=self.loop.update > 0, wandb=cfg.logging.wandb, run_name=cfg.name)
 
     def _announce(self) -> None:
         """Rank 0: the resolved config that alone reproduces the run; after a resume, the metrics

@@ -11,7 +11,9 @@ and the stage generates what it needs itself.
 
 The engine does one unit at a time (the stage's engine lock, which an evaluation holds too): the
 weights a unit loads are pushed between generations, never during one, so no request mixes versions.
-A failed unit stops the thread; its error reaches the trainer when that batch is taken.
+A failed unit (an exception escaping the work too) stops the thread; its error reaches the trainer
+when that batch is taken. The run stops the thread on every exit (RunContext), before the engine
+closes.
 """
 from __future__ import annotations
 
@@ -22,17 +24,23 @@ Key = Hashable
 
 
 class Producer:
-    """`work(key)` -> result (never raises: failures are part of the result, `failed(result)`
-    says so); `ready(key)` -> can the unit start (its versions published)."""
+    """`work(key)` -> result (`failed(result)` says whether it failed; an exception escaping
+    `work` becomes `on_error(exc)`, a failed result); `versions(key)`: the policy versions the unit
+    needs, which must be `published` before it starts. The producer keeps its own set of published
+    versions (the main thread tells it), so the thread never reads the stage's state."""
 
-    def __init__(self, work: Callable[[Key], Any], ready: Callable[[Key], bool],
-                 failed: Callable[[Any], bool]) -> None:
-        self._work, self._ready, self._failed_result = work, ready, failed
+    def __init__(self, work: Callable[[Key], Any], versions: Callable[[Key], Iterable[int]],
+                 failed: Callable[[Any], bool], on_error: Callable[[BaseException], Any],
+                 published: Iterable[int] = ()) -> None:
+        self._work, self._versions, self._failed_result = work, versions, failed
+        self._on_error = on_error
         self._cond = threading.Condition()
+        self._published: set[int] = set(published)
         self._plan: list[Key] = []        # wanted and not started, in order
         self._busy: Optional[Key] = None  # in progress
         self._done: dict[Key, Any] = {}   # finished, not yet taken
         self._stopped = self._failed = False
+        self._alive = True                # the thread has not ended
         self._thread = threading.Thread(target=self._loop, name="megapkl-rollout-producer",
                                         daemon=True)
         self._thread.start()
@@ -46,19 +54,28 @@ class Producer:
             self._done = {k: r for k, r in self._done.items() if k in wanted}
             self._cond.notify_all()
 
-    def published(self) -> None:
-        """A version was published: a waiting unit may start."""
+    def published(self, version: int) -> None:
+        """`version` is in the store: a waiting unit may start."""
         with self._cond:
+            self._published.add(version)
             self._cond.notify_all()
 
+    def withdrawn(self, keep: Callable[[int], bool]) -> None:
+        """Versions no longer in the store: those for which `keep(version)` is false."""
+        with self._cond:
+            self._published = {v for v in self._published if keep(v)}
+
+    def _ready(self, key: Key) -> bool:  # under self._cond
+        return all(v in self._published for v in self._versions(key))
+
     def take(self, key: Key) -> Optional[Any]:
-        """The result of `key` (waiting while it is in progress or next and startable), or None
-        when it was not planned or cannot start: the caller generates it. Forgets what the plan
-        held before `key`."""
+        """The result of `key` (waiting, while the thread runs, for a unit in progress or next and
+        startable), or None when it was not planned or cannot start: the caller generates it.
+        Forgets what the plan held before `key`."""
         with self._cond:
             if key in self._plan:
                 del self._plan[: self._plan.index(key)]
-            while key not in self._done and not self._stopped and (
+            while key not in self._done and not self._stopped and self._alive and (
                     self._busy == key or (self._plan[:1] == [key] and not self._failed
                                           and self._ready(key))):
                 self._cond.wait()
@@ -67,24 +84,35 @@ class Producer:
             self._plan.clear()
             return None
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self) -> None:
+        """No more units; returns when the thread has ended (a unit in progress finishes first:
+        the engine it uses may be closed right after)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not (
+                            self._plan and not self._failed and self._ready(self._plan[0])):
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    key = self._busy = self._plan.pop(0)
+                try:
+                    result = self._work(key)
+                except BaseException as exc:  # noqa: BLE001 - the unit's failed result
+                    result = self._on_error(exc)
+                with self._cond:
+                    self._done[key] = result
+                    self._failed = self._failed or self._failed_result(result)
+                    self._busy = None
+                    self._cond.notify_all()
+        finally:
             with self._cond:
-                while not self._stopped and not (
-                        self._plan and not self._failed and self._ready(self._plan[0])):
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                key = self._busy = self._plan.pop(0)
-            result = self._work(key)
-            with self._cond:
-                self._busy = None
-                self._done[key] = result
-                self._failed = self._failed or self._failed_result(result)
+                self._busy, self._alive = None, False
                 self._cond.notify_all()

@@ -169,18 +169,22 @@ class RolloutStage:
             agree(error, what="saving the policy version")
         self.kept.add(version)
         if self.producer is not None:
-            self.producer.published()
+            self.producer.published(version)
 
     def drop(self, version: int) -> None:
         """`version` is not needed (an evaluation wrote it; no batch is generated from it)."""
         if version in self.kept:
             self.kept.discard(version)
+            if self.producer is not None:
+                self.producer.withdrawn(lambda v: v in self.kept)
             if self.store.writer:
                 self.store.path(version).unlink(missing_ok=True)
 
     def forget_before(self, version: int) -> None:
         self.store.delete_before(version)
         self.kept = {v for v in self.kept if v >= version}
+        if self.producer is not None:
+            self.producer.withdrawn(lambda v: v in self.kept)
         held, cap = len(self.kept), self.rollout.snapshot_pool
         if held > cap:
             raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
@@ -311,8 +315,10 @@ class RolloutStage:
         if self.ahead is None:
             return
         if self.producer is None:
-            self.producer = Producer(self._work, ready=lambda k: all(
-                v in self.kept for _, _, v in k[2]), failed=lambda r: r[1] is not None)
+            self.producer = Producer(
+                self._work, versions=lambda k: [v for _, _, v in k[2]],
+                failed=lambda r: r[1] is not None,
+                on_error=lambda exc: (None, RankError.of(exc), Timers()), published=self.kept)
         prompts, keys = copy.deepcopy(self.prompts), []
         r = self.replica
         for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):
@@ -395,11 +401,15 @@ class RolloutStage:
         agreed(restore, what="restoring the checkpoint's policy versions")
         self.kept = set(saved)
 
-    def close(self) -> None:
-        """The generation ahead, the engine (launched servers stop with the run) and the
-        reward's worker."""
+    def stop_ahead(self) -> None:
+        """No more generation ahead: returns when the producer's thread has ended."""
         if self.producer is not None:
             self.producer.stop()
+
+    def close(self) -> None:
+        """The generation ahead, the engine (launched servers stop with the run) and the
+        reward's worker (for a stage built without a run to hold them)."""
+        self.stop_ahead()
         for part in (self.engine, self.reward):
             close = getattr(part, "close", None)
             if close is not None:

@@ -23,10 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-import torch
 import torch.distributed as dist
-
-from megapkl.parallel.groups import group_device
 
 T = TypeVar("T")
 PREEMPTION = "preemption"
@@ -56,6 +53,10 @@ class RunContext:
             self.stack.callback(close)
         return thing
 
+    def on_exit(self, fn: Any) -> None:
+        """Call `fn()` when the run ends, however it ends (before what was held earlier closes)."""
+        self.stack.callback(fn)
+
     def lock(self, run_dir: Path) -> None:
         """Collective: rank 0 takes the run directory's lock (a second live run is refused on
         every rank, before anything is launched); released when the run ends."""
@@ -76,19 +77,41 @@ class RunContext:
 
         return stopping.received() != 0
 
-    def stop_requested(self) -> Optional[str]:
+    def stop_requested(self, error: Any = None) -> Optional[str]:
         """Collective, once per update on every rank: 'preemption' (launcher), the name of a stop
-        signal any rank received (local run), or None."""
-        if self.launch is not None:
-            return PREEMPTION if self.launch.preempt_requested() else None
+        signal any rank received (local run), or None. `error`: a rank-local failure carried to
+        this point (megapkl.train.agree.Carried), agreed in the same all-reduce: RanksFailed on
+        every rank when any rank passes one."""
         from megapkl.train import stopping
+        from megapkl.train.agree import agree
 
-        flag = torch.tensor([stopping.received()], dtype=torch.int64,
-                            device=group_device(dist.group.WORLD) if dist.is_initialized() else "cpu")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
-        return stopping.name(signum) if signum else None
+        if self.launch is not None:  # local only: the launcher is asked below, when agreed
+            local = int(bool(self.stopping()))
+        else:
+            local = stopping.received()
+        signum, = agree(error, what="the update", flags=[local])
+        if not signum:
+            return None
+        if self.launch is not None:  # every rank is here: its collective acknowledges the signal
+            return PREEMPTION if self.launch.preempt_requested() else None
+        return stopping.name(signum)
+
+    def shorten_timeouts(self, seconds: float) -> None:
+        """Collective, after the first update: every process group of this rank waits at most
+        `seconds` in a collective from now on (startup, which may take long, is over), so a rank
+        that is lost outside any agreement costs minutes, not the startup timeout. The barrier
+        first: no rank may meet the short timeout while a peer still runs under the long one."""
+        import datetime
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        dist.barrier()
+        timeout = datetime.timedelta(seconds=seconds)
+        world = dist.distributed_c10d._world.pg_map  # every group this process created
+        for group in list(world):
+            if dist.distributed_c10d._rank_not_in_group(group):
+                continue
+            dist.set_timeout(timeout, group)
 
     def stop(self, reason: str, u: int, checkpoint: Path) -> None:
         """After update u's checkpoint: requeue a preempted job (never returns), or say why a
