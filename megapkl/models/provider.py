@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, List, Optional
 
 import torch
@@ -33,6 +34,8 @@ import torch
 from megapkl.parallel.chunks import unwrap  # noqa: F401  (re-exported: provider.unwrap)
 
 from megapkl.models.spec import ModelSpec, SpecError, check_layout
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -75,13 +78,31 @@ def options_from_config(model_cfg: Any, parallel_cfg: Any) -> ModelOptions:
 
 
 @functools.lru_cache(maxsize=1)
-def te_available() -> bool:
-    """Transformer Engine importable and a GPU present (its kernels are CUDA-only)."""
-    if not torch.cuda.is_available():
-        return False
+def te_import_error() -> Optional[str]:
+    """None when `transformer_engine.pytorch` imports, else why not (`Type: message`, one line).
+    A broken install (an extension built for another torch, missing CUDA libraries) fails here
+    with a message that names the cause; it is kept so that nothing reports it as merely absent."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken TE install counts as absent
+    except Exception as e:  # noqa: BLE001 - any import failure: the message is the diagnosis
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def te_available(cuda: Optional[bool] = None) -> bool:
+    """Transformer Engine importable and a GPU present (its kernels are CUDA-only). On a CUDA
+    machine an import failure is logged once, one line naming the cause: the models then fall
+    back to megatron-core's local spec, which is slower, and must not do so unnoticed."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return False
+    error = te_import_error()
+    if error is not None:
+        log.warning("Transformer Engine does not import on this CUDA machine (%s): the model uses "
+                    "megatron-core's local layer spec without TE's fused kernels, and "
+                    "parallel.context > 1 is refused; docs/install.md installs it", error)
         return False
     return True
 
@@ -128,12 +149,15 @@ class KernelPlan:
 
 
 def kernel_plan(*, cuda: bool, te: bool, use_te: Optional[bool] = None, cp: int = 1,
-                fused_wgrad: bool = False) -> KernelPlan:
+                fused_wgrad: bool = False, te_error: Optional[str] = None) -> KernelPlan:
     """The kernels for a machine: `cuda` (a GPU is present), `te` (Transformer Engine imports),
     `use_te` (ModelOptions.use_te: None = TE when available), `cp` (context-parallel size),
-    `fused_wgrad` (apex's wgrad-accumulation kernel imports). Pure: tested without a GPU."""
+    `fused_wgrad` (apex's wgrad-accumulation kernel imports), `te_error` (why TE does not
+    import, `te_import_error()`: named in the refusals). Pure: tested without a GPU."""
+    why = f": it does not import here ({te_error}); see docs/install.md" if te_error else ""
     if use_te and not (cuda and te):
-        raise SpecError("use_te: Transformer Engine was requested but does not import (or no GPU)")
+        raise SpecError("use_te: Transformer Engine was requested but does not import (or no GPU)"
+                        + why)
     if cuda and te and use_te is not False:
         return KernelPlan(layer_spec="te", attention="te", bias_activation_fusion=True,
                           bias_dropout_fusion=True, apply_rope_fusion=True,
@@ -142,7 +166,7 @@ def kernel_plan(*, cuda: bool, te: bool, use_te: Optional[bool] = None, cp: int 
     if cuda:
         if cp > 1:
             raise SpecError(f"parallel.context ({cp}) > 1 on GPU needs Transformer Engine (its ring "
-                            "attention); the all-gather CP attention is the CPU path only")
+                            "attention); the all-gather CP attention is the CPU path only" + why)
         # jit-fused SwiGLU / bias-dropout need no TE; RoPE and wgrad fusion do.
         return KernelPlan(layer_spec="local", attention="sdpa", bias_activation_fusion=True,
                           bias_dropout_fusion=True)
@@ -152,8 +176,10 @@ def kernel_plan(*, cuda: bool, te: bool, use_te: Optional[bool] = None, cp: int 
 def plan_for(opts: "ModelOptions", cp: int = 1) -> KernelPlan:
     """`kernel_plan` for this machine."""
     cuda = torch.cuda.is_available()
-    return kernel_plan(cuda=cuda, te=te_available(), use_te=opts.use_te, cp=cp,
-                       fused_wgrad=cuda and fused_wgrad_available())
+    te = te_available(cuda)
+    return kernel_plan(cuda=cuda, te=te, use_te=opts.use_te, cp=cp,
+                       fused_wgrad=cuda and fused_wgrad_available(),
+                       te_error=None if te or not cuda else te_import_error())
 
 
 def recompute_flags(recompute: str, num_layers: int) -> dict[str, Any]:

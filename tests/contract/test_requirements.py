@@ -120,3 +120,19 @@ def test_the_check_fails_on_a_mismatch():
     assert not mismatches({"torch": Requirement("torch>=2.13")}, b)
     assert re.match(r"we pin torch==2\.13\.0", mismatches(a, b)[0])
     assert SpecifierSet("<2.12.0,>=2.9.0a0").contains("2.11.0")
+
+
+def test_requires_python_is_the_pinned_packages_floor():
+    """pyproject's Python range lies inside sglang's and megatron-core's Requires-Python, and its
+    floor is the highest of theirs (3.10 would install and then fail on sglang)."""
+    ours_py = SpecifierSet(PROJECT["requires-python"])
+    floors = []
+    for dist in ("sglang", "megatron-core"):
+        theirs_py = SpecifierSet(md.metadata(dist)["Requires-Python"])
+        floors += [s.version for s in theirs_py if s.operator == ">="]
+        for minor in range(8, 15):
+            v = f"3.{minor}"
+            if ours_py.contains(v):
+                assert theirs_py.contains(v), f"requires-python admits {v}, {dist} does not"
+    floor = max(floors, key=lambda v: tuple(int(x) for x in v.split(".")))
+    assert ours_py.contains(floor) and not ours_py.contains(f"3.{int(floor.split('.')[1]) - 1}")
