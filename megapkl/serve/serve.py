@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,8 +45,16 @@ class SGLangCompatServer:
 
     def __init__(self, state: ServeState, *, tokenizer: Any = None, max_running: int = 64,
                  host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
-                 allow_tensor_updates: bool = True):
+                 allow_tensor_updates: bool = True, no_memory_file: Optional[str] = None,
+                 die: Optional[Callable[[str], None]] = None):
         self.state, self.tokenizer = state, tokenizer
+        # Where SGLang's scheduler would die (a forward over released memory, a resume that
+        # finds no room) this server dies too; tests that run it in their own process pass
+        # `die` to see the death without losing the process.
+        self.die = die or _exit_like_sglang
+        self.no_memory_file = no_memory_file  # exists: the GPU has no room for a resume
+        self.health_generates = _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)
+        self.health_timeout_s = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self.allow_tensor_updates = allow_tensor_updates
         self.host, self.port, self.tp_size = host, port, tp_size
         self._slots = threading.BoundedSemaphore(max_running)
@@ -116,6 +125,7 @@ class SGLangCompatServer:
         return out
 
     def _execute(self, job: Job, group: list[Item], n: int) -> None:
+        self._forward_check()
         with self._jobs_lock:
             self._jobs.add(job)
         try:
@@ -349,6 +359,14 @@ class SGLangCompatServer:
                         "there are running or waiting requests, the operation will not be "
                         "performed.)\n")
 
+    def _forward_check(self) -> None:
+        """A forward over released memory: SGLang's scheduler touches unmapped weights, KV cache
+        or CUDA graphs, the CUDA error ends it and it takes the server down (SIGQUIT to the
+        parent, which kills its process tree)."""
+        if self.state.released_tags:
+            self.die(f"Scheduler hit an exception: a forward pass ran while the memory "
+                     f"{sorted(self.state.released_tags)} is released (illegal memory access)")
+
     def release(self, body: dict) -> None:
         """Weights and activations of the embedded engine stay where they are (nothing to hand
         back on CPU); the released tags are kept, with SGLang's refusals: releasing while
@@ -360,6 +378,11 @@ class SGLangCompatServer:
         return None
 
     def resume_memory(self, body: dict) -> None:
+        if self.no_memory_file and os.path.exists(self.no_memory_file):
+            # torch_memory_saver re-creates the memory with cuMemCreate inside the scheduler:
+            # out of memory there is an exception in the scheduler, which ends the server.
+            self.die("Scheduler hit an exception: CUDA out of memory while resuming "
+                     f"{_tags(body)} (the GPU has no room: {self.no_memory_file} exists)")
         for tag in _tags(body):
             if tag not in self.state.released_tags:
                 raise _Reply(400, {"error": {"message": repr(tag)}})  # SGLang's KeyError
@@ -380,13 +403,22 @@ class SGLangCompatServer:
         return param.detach()[:rows].float().cpu().tolist()
 
     def health(self) -> str:
-        return ""
+        """SGLang serves /health with /health_generate's handler: a generation, unless
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (then a plain 200)."""
+        return self.health_generate() if self.health_generates else ""
 
     def health_generate(self) -> str:
         """One greedy token through the engine unless a request is running (then the running
-        request proves the engine works, as in SGLang)."""
+        request proves the engine works, as in SGLang). A scheduler blocked (in a weight load)
+        does not answer: 503 after SGLANG_HEALTH_CHECK_TIMEOUT seconds, as SGLang's route."""
+        if not self.state.scheduler.acquire(timeout=self.health_timeout_s):
+            log.error("Health check failed: no answer from the scheduler for %.0f s",
+                      self.health_timeout_s)
+            raise _Reply(503, _Untyped(""))
+        self.state.scheduler.release()
         if self.state.paused is not None or self.state.busy():
             return ""
+        self._forward_check()
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
         job = Job([PromptItem(torch.tensor([0]))], 1, sampling, ["HEALTH_CHECK"],
                   admitted=self.state.admit_epoch())
@@ -472,6 +504,25 @@ class _Untyped(str):
 def _failed(message: str) -> _Reply:
     """A weight route's refusal: SGLang answers 400 {"success": false, "message": ...}."""
     return _Reply(400, {"success": False, "message": message})
+
+
+def _exit_like_sglang(message: str) -> None:
+    log.error(message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """SGLang's EnvBool reading (environ.py): true/1/yes/y, false/0/no/n, anything else an
+    error."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise SystemExit(f"megapkl serve: error: {name}={value!r} is not a valid boolean value")
 
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's memory regions, in its order
@@ -622,6 +673,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "takes only FP8 weights (e4m3 + weight_scale_inv); an FP8 checkpoint turns "
                    "it on by itself")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--no-memory-file", help="testing: while this file exists, "
+                   "/resume_memory_occupation finds no GPU memory and the server dies, as "
+                   "SGLang's scheduler does")
+    p.add_argument("--weight-load-delay-s", type=float, default=0.0, help="testing: every "
+                   "/update_weights_from_disk blocks the scheduler this long first (a large "
+                   "checkpoint)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -644,7 +701,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "port can make the server unpickle data", args.host)
     state, tokenizer = build_state(args)
     app = SGLangCompatServer(state, tokenizer=tokenizer, max_running=args.max_running_requests,
-                             host=args.host, port=args.port, allow_tensor_updates=allow_tensor)
+                             host=args.host, port=args.port, allow_tensor_updates=allow_tensor,
+                             no_memory_file=args.no_memory_file)
+    state.load_delay_s = args.weight_load_delay_s
     try:
         app.serve_forever()
     except KeyboardInterrupt:

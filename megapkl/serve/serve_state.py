@@ -14,6 +14,7 @@ import binascii
 import io
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Optional
@@ -217,6 +218,11 @@ class ServeState:
         self._mapped: list[Tensor] = []
         self._mapped_before: list[Tensor] = []
         self.released_tags: set[str] = set()  # memory regions released and not resumed
+        # Held while a weight update runs, as SGLang's scheduler is blocked in one: a health
+        # check waits for it (and answers 503 after its timeout). `load_delay_s` (testing)
+        # makes every disk update that long, like a large checkpoint read from disk.
+        self.scheduler = threading.RLock()
+        self.load_delay_s = 0.0
         engine.step_check = self._step_check
 
     # ------------------------------------------------------------ generation
@@ -319,7 +325,7 @@ class ServeState:
         if self.engine.fp8:  # an FP8 server takes FP8 weights only, as SGLang's FP8 parameters
             shapes = {n: tuple(p.shape) for n, p in self.engine.model.named_parameters()}
             named = FP8.check_fp8_stream(named, shapes, self.engine.fp8_block)
-        with self._weights_context():
+        with self.scheduler, self._weights_context():
             try:
                 # Decoded payloads, broadcast buffers and disk reads belong to this request alone.
                 self.engine.update_weights(named, version=self._engine_version + 1, copy=False)
@@ -357,11 +363,13 @@ class ServeState:
         self._mapped += [t for _, t in named if t.device.type == "cpu" and t.is_shared()]
 
     def update_from_disk(self, model_path: str) -> None:
-        try:
-            named = list(iter_safetensors(model_path))
-        except (FileNotFoundError, OSError) as exc:
-            raise RequestError(f"model_path: {exc}") from None
-        self.load(named)
+        with self.scheduler:  # SGLang's scheduler reads the checkpoint itself
+            time.sleep(self.load_delay_s)
+            try:
+                named = list(iter_safetensors(model_path))
+            except (FileNotFoundError, OSError) as exc:
+                raise RequestError(f"model_path: {exc}") from None
+            self.load(named)
         self.model_path = model_path
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,

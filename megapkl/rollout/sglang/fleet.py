@@ -1,17 +1,32 @@
 """The servers behind an SGLangEngine: their states, the heartbeat, restarts and re-admission.
 
-A worker is `ready` (gets requests), `dead` (failed its heartbeat or crashed: killed and, when we
-launched it, restarted) or `stale` (answers, but does not hold the current weights: after a
-restart, or when it reports another weight version). Only ready workers get requests; a dead or
-stale worker is re-admitted after it has received the current weights (`resync`), and is taken
-out of / put back into the router's worker list alongside.
+A worker is `ready` (gets requests), `dead` (failed its heartbeat, crashed, or its URL is answered
+by a process that is not the server we admitted: killed and, when we launched it, restarted) or
+`stale` (answers, but does not hold the current weights: after a restart, or when it reports
+another weight version). Only ready workers get requests; a dead or stale worker is re-admitted
+after it has received the current weights (`resync`), and is taken out of / put back into the
+router's worker list alongside.
 
-The heartbeat calls `/health_generate` (a real one-token generation, so a hung scheduler fails it
-even when the HTTP server still answers) every `interval_s`; `max_failures` misses in a row make
-a worker dead. Any request failure triggers an immediate check of that worker. A worker whose
-GPU memory is handed to the trainer (colocated, `asleep`) cannot generate: it is checked with
-`/health` instead. A probe holds its worker's `probe` lock, and the engine holds it to release
-the memory, so a release never meets a running health generation (SGLang asserts it is idle).
+The heartbeat, every `interval_s`, checks each ready worker; `max_failures` misses in a row make
+it dead, and any request failure triggers an immediate check of that worker. What a check asks
+depends on where the server's memory is, because SGLang answers `/health` and `/health_generate`
+with one handler that runs a one-token generation (unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+is false, and it defaults to true):
+- holding its memory: `/health_generate`, a real generation, so a hung scheduler fails it even
+  when the HTTP server still answers;
+- released to the trainer (colocated, `asleep`): the process is alive and `/model_info` answers;
+  that route reads the tokenizer manager's fields only and never reaches the scheduler, so
+  nothing runs over unmapped weights and KV cache (a generation there would kill the server).
+While a weight push holds the fleet lock (an `update_weights_from_disk` can block the scheduler
+for minutes, and SGLang's health route then answers 503 after HEALTH_CHECK_TIMEOUT) the heartbeat
+skips its probes, and a failed probe that overlapped a push is not counted.
+A probe holds its worker's `probe` lock, and the engine holds it to release the memory, so a
+release never meets a running health generation (SGLang asserts it is idle).
+
+Identity: a worker's `/server_info` `startup_time` (SGLang's tokenizer manager start) is recorded
+when it is admitted. A server answering under the URL that started before we launched our process
+there, or whose startup time changed, is another process (another job's server on a reused port):
+it is never synced, admitted or sent requests.
 """
 from __future__ import annotations
 
@@ -54,6 +69,8 @@ class Worker:
     failures: int = 0
     restarts: int = 0
     last_error: str = ""
+    identity: Optional[float] = None  # the admitted server's /server_info startup_time
+    launched_at: Optional[float] = None  # when we (re)started its process (time.time())
     probe: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -82,6 +99,7 @@ class Fleet:
         self.asleep: Callable[[str], bool] = lambda url: False  # memory released (the engine)
         self.stopping: Callable[[], bool] = lambda: False  # the run is stopping (EngineContext)
         self._rr = 0
+        self._pushes = 0  # bumped when a weight push takes the lock and when it leaves it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.events: list[tuple[float, str, str]] = []  # (time, url, what) for logs and tests
@@ -159,7 +177,11 @@ class Fleet:
                 targets = [w for w in self.workers
                            if w.state == "ready" or (w.state == "stale" and self._alive(w))]
                 if targets:
-                    yield targets
+                    self._pushes += 1
+                    try:
+                        yield targets
+                    finally:
+                        self._pushes += 1
                     return
             self._give_up_after(t0)
             time.sleep(min(0.2, self.health.interval_s))
@@ -184,7 +206,10 @@ class Fleet:
         """A request to `url` failed: check that worker now (the router: all of them)."""
         targets = self.workers if url == self.router_url else [self.by_url(url)]
         for w in targets:
-            if w is not None and w.state == "ready" and not self._alive(w):
+            if w is None or w.state != "ready":
+                continue
+            pushes = self._pushes
+            if not self._alive(w) and not self._in_push(pushes):
                 w.failures = self.health.max_failures
                 self._declare_dead(w, f"request failed: {exc}")
 
@@ -196,16 +221,50 @@ class Fleet:
 
     # ------------------------------------------------------------------ heartbeat
     def _alive(self, w: Worker) -> bool:
+        """Process alive and a probe answered: a one-token generation while the server holds its
+        memory; while released, `/model_info`, which SGLang serves from the tokenizer manager
+        alone (SGLang's `/health` generates too, see the module docstring)."""
         if w.process is not None and not w.process.alive():
             return False
         with w.probe:
-            route = "health" if self.asleep(w.url) else "health_generate"
+            route = "model_info" if self.asleep(w.url) else "health_generate"
             try:
                 http.request(w.url, route, timeout=self.health.timeout_s,
                              connections=self.connections)
                 return True
             except (http.ServerUnreachable, http.ServerError):
                 return False
+
+    def _in_push(self, pushes_before: int) -> bool:
+        """A weight push ran during a probe begun at `pushes_before`, or runs now: a scheduler
+        blocked in a load answers SGLang's health route with 503, which says nothing about it."""
+        if self._pushes != pushes_before:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return True
+        self.lock.release()
+        return False
+
+    def foreign(self, w: Worker) -> Optional[str]:
+        """Why the server answering at `w.url` is not the one we admitted (or launched), or None.
+        Read from `/server_info` `startup_time`; a server that does not report one (or does not
+        answer) is judged by the liveness probes instead."""
+        try:
+            info = http.request(w.url, "server_info", timeout=self.health.timeout_s)
+        except (http.ServerUnreachable, http.ServerError):
+            return None
+        started = info.get("startup_time") if isinstance(info, dict) else None
+        if not isinstance(started, (int, float)) or isinstance(started, bool):
+            return None
+        if w.launched_at is not None and started < w.launched_at - 1.0:
+            return (f"another process answers at {w.url}: it started at {started:.0f}, before "
+                    f"megapkl launched engine{w.spec.index if w.spec else ''} there "
+                    f"({w.launched_at:.0f}); the port is taken")
+        if w.identity is not None and started != w.identity:
+            return (f"another server answers at {w.url} (startup_time {started} != {w.identity} "
+                    f"when admitted); it is not synced or sent requests")
+        w.identity = started
+        return None
 
     def server_version(self, w: Worker) -> Optional[int]:
         try:
@@ -218,18 +277,28 @@ class Fleet:
         """One heartbeat over every worker (the loop calls it every interval_s)."""
         for w in list(self.workers):
             if w.state == "ready":
-                if self._alive(w):
-                    w.failures = 0
-                    v = self.server_version(w)
-                    if self.version is not None and v is not None and v != self.version:
-                        self.retire(w, "stale", f"reports weight version {v}, current is "
-                                                f"{self.version} (restarted?)")
-                else:
-                    w.failures += 1
-                    if w.failures >= self.health.max_failures:
-                        self._declare_dead(w, f"{w.failures} failed /health_generate checks")
+                self._check_ready(w)
             if w.state in ("dead", "stale"):
                 self._recover(w)
+
+    def _check_ready(self, w: Worker) -> None:
+        pushes = self._pushes
+        if self._in_push(pushes):
+            return  # a push holds the fleet lock: its own errors say what failed
+        if self._alive(w):
+            w.failures = 0
+            why = self.foreign(w)
+            if why is not None:
+                self._declare_dead(w, why)
+                return
+            v = self.server_version(w)
+            if self.version is not None and v is not None and v != self.version:
+                self.retire(w, "stale", f"reports weight version {v}, current is "
+                                        f"{self.version} (restarted?)")
+        elif not self._in_push(pushes):
+            w.failures += 1
+            if w.failures >= self.health.max_failures:
+                self._declare_dead(w, f"{w.failures} failed health checks")
 
     def _declare_dead(self, w: Worker, reason: str) -> None:
         self.retire(w, "dead", reason)
@@ -247,6 +316,7 @@ class Fleet:
                 if self.restarted is not None:
                     with self.lock:  # not in the middle of a sync
                         self.restarted(w)  # a fresh server: nothing released, in no group
+                w.launched_at, w.identity = time.time(), None
                 w.process = w.spec.process().start()
                 try:
                     wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,
@@ -259,9 +329,16 @@ class Fleet:
                     return
             elif not self._alive(w):
                 return
+            elif (why := self.foreign(w)) is not None:
+                w.last_error = why  # not ours to restart: a foreign process there stays dead
+                return
             w.state = "stale"
             self._event(w, "stale: back, waiting for weights")
         if w.state == "stale" and self._alive(w):
+            why = self.foreign(w)
+            if why is not None:
+                self._declare_dead(w, why)
+                return
             with self.lock:
                 if self.version is None or self.resync is None or w.state == "ready":
                     return  # (an engine-wide push may have admitted it meanwhile)
