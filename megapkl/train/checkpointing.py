@@ -150,10 +150,13 @@ def _saved_or_failed(cfg, step: int, tmp: Path, error: Optional[RankError],
             shutil.rmtree(tmp, ignore_errors=True)
         prev = latest(cfg)
         why = "; ".join(dict.fromkeys(_last_line(e.message) for e in exc.errors))
+        free = [_free_kb(tmp.parent)]  # rank 0's figure: the same message on every rank
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(free, src=0)
         where = f"committing {final}" if final is not None else f"saving the step-{step} " \
             f"checkpoint under {tmp}"
         raise CheckpointError(
-            f"{where} failed ({why}; {_free_kb(tmp.parent)} kB free there); "
+            f"{where} failed ({why}; {free[0]} kB free there); "
             + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
         ) from None
 

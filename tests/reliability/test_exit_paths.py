@@ -61,8 +61,9 @@ def test_nan_abort_closes_everything(dist_run, tmp_path):
     facts = read_facts(tmp_path / "marks")
     assert re.match(r"TrainingError: update 2: non-finite loss .* 2 updates in a row",
                     facts[0]["error"]), facts[0]["error"]
+    assert "holds the 3 finished updates" in facts[0]["error"], facts[0]["error"]
     assert_closed(facts, tmp_path / "run", rows=2)  # update 1 skipped its step, and was logged
-    assert facts[0]["saves"] == [1, 2]
+    assert facts[0]["saves"] == [1, 2, 3]  # the aborted update 2 (skipped) is checkpointed too
 
 
 def test_a_failing_constructor_closes_what_was_started(dist_run, tmp_path):

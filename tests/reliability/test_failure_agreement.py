@@ -43,7 +43,7 @@ def _assert_prompt_exits(facts: dict, marks: Path, label: str) -> None:
     """Each rank left run() within EXIT_WITHIN_S of the fault (printed: what the note quotes)."""
     fault = float((marks / "fault").read_text())
     took = [round(f["exit"] - fault, 2) for _, f in sorted(facts.items())]
-    print(f"\n{label}: ranks 0, 1 left run() {took} s after the fault on rank 1")
+    print(f"\n{label}: ranks 0, 1 left run() {took} s after the fault")
     assert max(took) < EXIT_WITHIN_S, took
 
 

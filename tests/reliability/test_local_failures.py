@@ -61,3 +61,20 @@ def test_a_local_failure_stops_every_rank_at_once(dist_run, tmp_path, case, targ
     for r in (0, 1):
         assert (marks / f"threads{r}").read_text() == "", "a megapkl thread was left"
     _assert_prompt_exits(facts, marks, case)
+
+
+def test_a_failed_checkpoint_rename_on_rank_0_stops_every_rank_at_once(dist_run, tmp_path):
+    """Rank 0's rename of the step-2 checkpoint into place raises: every rank raises the same
+    CheckpointError at once (before, rank 1 waited in the save's last barrier)."""
+    marks, run = tmp_path / "marks", tmp_path / "run"
+    marks.mkdir()
+    cfg = tiny_cfg(run, "train.steps=5", data=2)
+    dist_run(_rank, 2, cfg, marks,
+             _inject("megapkl.train.checkpointing:_commit", 0, 1, OSError("read-only")),
+             timeout=300)
+    facts, error = _one_error(marks)
+    assert error.startswith("CheckpointError: committing "), error
+    assert "step_00000002 failed (read-only; " in error, error
+    assert not (run / "checkpoints" / "step_00000002").exists()
+    assert_closed(facts, run, rows=0)
+    _assert_prompt_exits(facts, marks, "checkpoint-rename")
