@@ -1,0 +1,89 @@
+"""The lifecycle rules `megapkl serve` and the fleet's heartbeat rely on, read in the pinned SGLang's
+own source (parsed, not imported: the rules are where the code puts them) and compared with what
+the stand-in does (tests/serve/test_serve_lifecycle.py runs the stand-in's side)."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megapkl.serve.serve import SGLangCompatServer, _env_bool
+
+
+def _sglang_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("the pinned sglang is not installed: run `bash tools/setup_env.sh test`")
+    return Path(spec.origin).parent
+
+
+def _tree(rel: str) -> ast.Module:
+    return ast.parse((_sglang_root() / rel).read_text())
+
+
+def _function(tree: ast.AST, name: str):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    raise AssertionError(f"SGLang has no function {name}")
+
+
+def _routes(fn) -> set[str]:
+    return {d.args[0].value for d in fn.decorator_list
+            if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)}
+
+
+def test_health_is_the_generating_handler_unless_switched_off():
+    http_server = _tree("srt/entrypoints/http_server.py")
+    fn = _function(http_server, "health_generate")
+    assert _routes(fn) == {"/health", "/health_generate"}
+    src = ast.unparse(fn)
+    assert "envs.SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION.get()" in src
+    assert "GenerateReqInput(" in src and "'max_new_tokens': 1" in src
+    environ = _tree("srt/environ.py")
+    default = next(n.value for n in ast.walk(environ) if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None)
+                   == "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+    assert ast.unparse(default) == "EnvBool(True)"
+    assert _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True) is True  # the stand-in
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" in Path(
+        SGLangCompatServer.__init__.__code__.co_filename).read_text()
+
+
+def test_health_timeout_env_and_default_are_sglangs():
+    http_server = _tree("srt/entrypoints/http_server.py")
+    node = next(n for n in http_server.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", None) == "HEALTH_CHECK_TIMEOUT")
+    assert ast.unparse(node.value) == "int(os.getenv('SGLANG_HEALTH_CHECK_TIMEOUT', 20))"
+    src = ast.unparse(_function(http_server, "health_generate"))
+    assert "HEALTH_CHECK_TIMEOUT" in src and "status_code=503" in src
+    mine = Path(SGLangCompatServer.__init__.__code__.co_filename).read_text()
+    assert 'os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20)' in mine
+
+
+def test_model_info_never_reaches_the_scheduler_and_server_info_reports_startup_time():
+    """The fleet checks a released server with /model_info and reads its identity from
+    /server_info's startup_time."""
+    http_server = _tree("srt/entrypoints/http_server.py")
+    info = _function(http_server, "model_info")
+    assert not any(isinstance(n, ast.Await) for n in ast.walk(info))
+    src = ast.unparse(_function(http_server, "server_info"))
+    assert "'startup_time': _global_state.tokenizer_manager.startup_time" in src
+
+
+def test_memory_refusals_raise_in_the_scheduler_which_ends_the_server():
+    updater = _tree("srt/managers/scheduler_components/weight_updater.py")
+    release = _function(updater, "release_memory_occupation")
+    first = release.body[1] if isinstance(release.body[0], ast.Assign) else release.body[0]
+    assert isinstance(first, ast.Assert) and "is_fully_idle" in ast.unparse(first.test)
+    assert "self.offload_tags.remove(tag)" in ast.unparse(
+        _function(updater, "resume_memory_occupation"))
+    scheduler = _tree("srt/managers/scheduler.py")
+    run = ast.unparse(_function(scheduler, "run_scheduler_process"))
+    assert "except Exception:" in run and "parent_process.send_signal(signal.SIGQUIT)" in run
+    dispatcher = next(n for n in ast.walk(_tree("utils.py"))
+                      if isinstance(n, ast.ClassDef) and n.name == "TypeBasedDispatcher")
+    dispatch = _function(dispatcher, "__call__")  # a handler's exception is not caught
+    assert not any(isinstance(n, ast.Try) for n in ast.walk(dispatch))
