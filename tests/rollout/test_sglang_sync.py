@@ -108,6 +108,26 @@ def test_colocated_release_then_resume_before_the_push(server):
     assert routes.index("resume_memory_occupation") < routes.index("begin_weight_update")
 
 
+def test_the_cache_is_freed_before_the_server_resumes(server):
+    """torch_memory_saver re-creates a resumed server's memory with fresh allocations: the
+    trainer's cached blocks must be handed back first. The hook sees what the server has been
+    asked when it runs: the release, not yet the resume."""
+    from megapkl.rollout.sglang.weights import free_cached_memory
+
+    sync = WeightSync(SyncSettings(mode="tensor", colocate=True, timeout_s=30))
+    assert sync.free_memory is free_cached_memory
+    routes_at_free = []
+    sync.free_memory = lambda: routes_at_free.append(list(server.state()["routes"]))
+    sync.release_memory([Target(server.url)])
+    sync.push([Target(server.url)], _weights(), version=2)
+    assert len(routes_at_free) == 1 and "release_memory_occupation" in routes_at_free[0]
+    assert "resume_memory_occupation" not in routes_at_free[0]
+    assert "resume_memory_occupation" in server.state()["routes"]
+    sync.push([Target(server.url)], _weights(), version=3)  # nothing to resume: nothing freed
+    assert len(routes_at_free) == 1
+    free_cached_memory()  # on this host: no CUDA, no group, nothing to do and no error
+
+
 def test_bad_settings():
     with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
         SyncSettings(mode="nccl")

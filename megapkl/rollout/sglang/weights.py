@@ -164,6 +164,22 @@ def unbound_default_group() -> Iterator[None]:
             default.bound_device_id = bound
 
 
+def free_cached_memory(group: Any = None) -> None:
+    """Hand the blocks PyTorch's caching allocator keeps reserved back to the GPU, before a
+    colocated server takes its memory back: torch_memory_saver re-creates the server's weights
+    and KV cache with fresh physical allocations, which fail inside the scheduler while the
+    trainer's freed activations stay cached. With `group` (the ranks sharing the servers' GPUs),
+    every member frees its cache and meets the others, so the one that resumes the servers does
+    it after all of them have freed theirs. Collective over `group`."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # blocks still used by queued kernels are freed once these end
+        torch.cuda.empty_cache()
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
 def group_backend(setting: Optional[str] = None, cuda: Optional[bool] = None) -> str:
     """The weight-update group's backend: `setting` when given, else NCCL when this process has a
     GPU (the servers receive on theirs; SGLang's default) and gloo on a CPU-only host."""
@@ -235,6 +251,7 @@ class WeightSync:
         self._groups_made = 0
         self._lock = threading.Lock()
         self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
+        self.free_memory: Callable[[], None] = free_cached_memory  # before each resume
 
     # ------------------------------------------------------------------ calls
     def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
@@ -312,6 +329,7 @@ class WeightSync:
         """Colocated: take the memory back before a push or a generation."""
         todo = [t for t in targets if t.url in self.released]
         if todo:
+            self.free_memory()  # this rank's cached blocks; the replica's others freed theirs
             self._all(todo, "resume_memory_occupation", lambda t: {})
             self.released.difference_update(t.url for t in todo)
 
