@@ -3,12 +3,13 @@
     megapkl config show FILE [KEY=VALUE ...]     print the fully resolved config (YAML)
     megapkl config validate FILE [FILE ...]      check configs, one line per file
     megapkl config reference [--out FILE]        every config key (docs/config.md)
-    megapkl train CONFIG [KEY=VALUE ...]         train (validates the config first)
+    megapkl train CONFIG [KEY=VALUE ...] [--if-exists error|resume|overwrite]
+                                                 train (validates the config first)
     megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
     megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
     megapkl compare CONFIG --methods A,B --seeds N   methods x seeds, intervals and a report
 
-A bad config is one line on stderr naming the file, line and dotted key, and exit code 2. Imports
+KEY=VALUE overrides may come anywhere on a command's line. A bad config is one line on stderr naming the file, line and dotted key, and exit code 2. Imports
 are lazy: `config show` never imports torch. `cmd_train` and `cmd_demo` are the seams where the
 trainer plugs in.
 """
@@ -89,9 +90,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides, local=True)
     from megapkl import runlog
     from megapkl.train.checkpointing import preflight
-    from megapkl.train.local import train_local
+    from megapkl.train.local import claim_run_dir, train_local
 
     preflight(cfg)  # a missing resume checkpoint or a run directory in use: before any rank starts
+    cfg = claim_run_dir(cfg, args.if_exists)  # a run already there: refuse, resume or delete it
     runlog.attach(cfg.run_dir)
     train_local(cfg)
     return 0
@@ -161,14 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "and other libraries' warnings (otherwise in the run's megapkl.log; also "
                         "accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # KEY=VALUE overrides anywhere on a command's line (megapkl.launch.cli.add_overrides)
+    from megapkl.launch.cli import _IntermixedParser, add_overrides
 
     config = sub.add_parser("config", help="show, validate or list the keys of run configs")
     csub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = csub.add_parser("show", help="print the fully resolved config as YAML")
     show.add_argument("file", help="run config YAML")
-    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. objective.beta=0.3")
+    add_overrides(show, help="e.g. objective.beta=0.3")
     show.set_defaults(func=cmd_config_show)
     validate = csub.add_parser("validate", help="check configs; exit 2 if any is bad")
+    validate.__class__ = _IntermixedParser  # --set may come first, files and KEY=VALUE after
     validate.add_argument("files", nargs="+", metavar="FILE|KEY=VALUE",
                           help="configs to check; KEY=VALUE items override every file")
     validate.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -181,20 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train from a run config")
     train.add_argument("config", help="run config YAML")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    add_overrides(train)
+    train.add_argument("--if-exists", choices=("error", "resume", "overwrite"), default="error",
+                       help="when the run directory already holds a run: refuse (default), "
+                       "continue from its latest checkpoint, or delete it and start again")
     train.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="CPU demo: a tiny model learns a synthetic task")
     demo.add_argument("--compare", action="store_true",
                       help="Proximal KL, GRPO and PG over several seeds, with intervals")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per method with --compare")
-    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    add_overrides(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from megapkl.launch.cli import _IntermixedParser
-
     cmp = sub.add_parser("compare", help="methods x seeds with paired intervals and a report")
-    cmp.__class__ = _IntermixedParser  # KEY=VALUE overrides may follow the options
     cmp.add_argument("config", help="base run config YAML")
     cmp.add_argument("--methods", required=True,
                      help="comma-separated objective presets (configs/objectives/NAME.yaml or paths)")
@@ -211,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--ema", type=float, default=0.2, help="EMA alpha of curves (default 0.2)")
     cmp.add_argument("--collapse-drop", type=float, default=0.2,
                      help="a fall this far below the running best counts as a collapse")
-    cmp.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    add_overrides(cmp)
     cmp.set_defaults(func=cmd_compare)
 
     plot = sub.add_parser("plot", help="EMA-smoothed curves of run directories into PNGs")

@@ -47,13 +47,14 @@ class _Layer:
 # ---- public API
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), *,
-                workdir: str | os.PathLike | None = None) -> RunConfig:
+                workdir: str | os.PathLike | None = None, tokenizes: bool = True) -> RunConfig:
     """Read, layer, override, validate and resolve the run config at `path`. With `workdir` (the
     directory the run starts in), the files it reads from that machine must exist as well
-    (`config validate`, `plan`, `submit` and `train` ask; `config show` does not)."""
+    (`config validate`, `plan`, `submit` and `train` ask; `config show` does not); `tokenizes`
+    false: the tokenizer is not needed (`plan` reads no data)."""
     top = _display(Path(path))
     merged, prov = merged_mapping(path, overrides)
-    return _build(merged, prov, top, workdir)
+    return _build(merged, prov, top, workdir, tokenizes)
 
 
 def loads_config(text: str, overrides: Iterable[str] = (), *, source: str = "<string>",
@@ -227,13 +228,13 @@ def _record(value: Any, path: str, prov: dict[str, Origin], origin: Callable[[st
 # ---- validation with errors attributed to the file that set the key
 
 def _build(merged: dict[str, Any], prov: dict[str, Origin], top: str,
-           workdir: str | os.PathLike | None = None) -> RunConfig:
+           workdir: str | os.PathLike | None = None, tokenizes: bool = True) -> RunConfig:
     try:
         cfg = RunConfig.from_dict(merged, source=top)
         if workdir is not None:
             def err(msg: str, key: str, *related: str):
                 raise ConfigError(msg, key=key, source=top, related=related)
-            check_local_files(cfg, workdir, err)
+            check_local_files(cfg, workdir, err, tokenizes=tokenizes)
         return cfg
     except ConfigError as exc:
         raise _attribute(exc, prov, top) from None

@@ -252,10 +252,13 @@ def _check_dtype(cfg: RunConfig, err) -> None:
         err(problem, "model.dtype", "slurm.constraint")
 
 
-def check_local_files(cfg: RunConfig, workdir: "str | os.PathLike", err) -> None:
+def check_local_files(cfg: RunConfig, workdir: "str | os.PathLike", err, *,
+                      tokenizes: bool = True) -> None:
     """The files a run reads from the machine it starts on, checked before it is submitted:
     weights are never downloaded at run time, so model.hf_checkpoint (and model.tokenizer) must be
-    directories there, relative paths taken from `workdir` (the directory the job starts in)."""
+    directories there, relative paths taken from `workdir` (the directory the job starts in).
+    `tokenizes` false (`megapkl plan`, which sizes the job from the model preset's shape): a
+    training file needs no tokenizer yet."""
     for key in ("hf_checkpoint", "tokenizer"):
         value = getattr(cfg.model, key)
         if value is None or _is_dir(value, workdir):
@@ -272,7 +275,7 @@ def check_local_files(cfg: RunConfig, workdir: "str | os.PathLike", err) -> None
         err(f"'{value}' is not a directory here{where}: megapkl never downloads weights at run "
             f"time; copy the {what} there, onto a filesystem every node sees (or set "
             f"model.{key}: null for {instead})", f"model.{key}")
-    if cfg.data.train_path and not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
+    if tokenizes and cfg.data.train_path and not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
         err(f"'{cfg.data.train_path}' is tokenized with the model's tokenizer: set "
             "model.hf_checkpoint or model.tokenizer to a local directory", "data.train_path",
             "model.hf_checkpoint")

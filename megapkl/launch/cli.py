@@ -22,7 +22,7 @@ def _entry_help() -> str:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="run config YAML")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides")
+    add_overrides(p)
     p.add_argument("-p", "--profile", help="cluster profile: a name under slurm/profiles/ or a "
                    "YAML path (default: the config's slurm.profile)")
     p.add_argument("--entry", default=None, help=_entry_help())
@@ -53,15 +53,20 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._inner = False
 
 
+def add_overrides(parser: argparse.ArgumentParser, help: str = "run config overrides") -> None:
+    """The KEY=VALUE positional of a command, accepted anywhere on its line (before, between or
+    after the options): every command that takes overrides registers them through here."""
+    parser.__class__ = _IntermixedParser
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=help)
+
+
 def add_subcommands(sub: Any) -> None:
     """Register submit, sweep, status, cancel and logs on an argparse subparsers object."""
     p = sub.add_parser("submit", help="submit a run to Slurm (submitit) with a cluster profile")
-    p.__class__ = _IntermixedParser
     _add_common(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("sweep", help="submit a grid of runs as one Slurm job array")
-    p.__class__ = _IntermixedParser
     _add_common(p)
     p.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
                    help="one axis per item, e.g. --grid objective.name=proximal_kl,grpo,pg "
@@ -72,9 +77,8 @@ def add_subcommands(sub: Any) -> None:
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plan", help="per-GPU memory, FLOPs and step time of a run on a profile")
-    p.__class__ = _IntermixedParser
     p.add_argument("config", help="run config YAML")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides")
+    add_overrides(p)
     p.add_argument("-p", "--profile", help="cluster profile (default: the config's slurm.profile)")
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the step "
                    "time (default 0.35)")

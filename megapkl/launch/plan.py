@@ -443,10 +443,11 @@ def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
     from megapkl.launch.runconfig import prepare_run
 
     overrides = list(overrides)
-    prep = prepare_run(config, overrides, cwd=Path.cwd())
+    # sized from the model preset's shape: no tokenizer needed (model.hf_checkpoint may be null)
+    prep = prepare_run(config, overrides, cwd=Path.cwd(), tokenizes=False)
     if not (profile or prep.cfg.slurm.profile):
         check_fleet(prep.cfg, prep.config_path)
         return plan(prep.cfg, None, mfu, response_len)
-    prep, prof = sub.settle_shape(config, overrides, profile, cwd=Path.cwd())
+    prep, prof = sub.settle_shape(config, overrides, profile, cwd=Path.cwd(), tokenizes=False)
     check_fleet(prep.cfg, prep.config_path)
     return plan(prep.cfg, prof, mfu, response_len)

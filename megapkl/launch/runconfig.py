@@ -28,13 +28,14 @@ class PreparedRun:
 
 
 def prepare_run(config: str | os.PathLike, overrides: Iterable[str] = (),
-                cwd: Optional[str | os.PathLike] = None) -> PreparedRun:
+                cwd: Optional[str | os.PathLike] = None, tokenizes: bool = True) -> PreparedRun:
     """Load and validate `config` with `overrides` (errors: megapkl.config.ConfigError), the
     files it reads from the submit directory (model.hf_checkpoint) included."""
     from megapkl.config.loader import dump_config, load_config, merged_mapping
 
     overrides = list(overrides)
-    cfg = load_config(config, overrides, workdir=cwd if cwd is not None else Path.cwd())
+    cfg = load_config(config, overrides, workdir=cwd if cwd is not None else Path.cwd(),
+                      tokenizes=tokenizes)
     merged, _ = merged_mapping(config, overrides)
     slurm = merged.get("slurm") or {}
     cfg = absolute_paths(cfg, Path(cwd) if cwd is not None else Path.cwd())

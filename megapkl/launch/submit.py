@@ -279,15 +279,16 @@ def dedicated_tasks_per_node(cfg: Any) -> Optional[int]:
 
 
 def settle_shape(config: str | os.PathLike, overrides: list[str], profile: Optional[str], *,
-                 cwd: Path) -> tuple[PreparedRun, ClusterProfile]:
+                 cwd: Path, tokenizes: bool = True) -> tuple[PreparedRun, ClusterProfile]:
     """The run config and its profile with the job shape the profile gives it (shape_overrides),
     and, with dedicated SGLang GPUs, as many tasks per node as the trainer has ranks there."""
-    prep = prepare_run(config, overrides, cwd=cwd)
+    prep = prepare_run(config, overrides, cwd=cwd, tokenizes=tokenizes)
     prof = job_profile(prep, profile)
     name = profile or prep.cfg.slurm.profile
     extra = shape_overrides(prep, prof, name)
     if extra:
-        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd),
+        prep = dataclasses.replace(prepare_run(config, overrides + extra, cwd=cwd,
+                                               tokenizes=tokenizes),
                                    overrides=overrides)
     return prep, with_dedicated_tasks(prep, prof)
 

@@ -20,6 +20,48 @@ def world_size(cfg) -> int:
     return p.tensor * p.pipeline * p.context * data
 
 
+# What a run leaves in its directory: any of these means the directory holds a run.
+RUN_RECORDS = ("metrics.jsonl", "config.yaml", "launch.json", "events.jsonl", "result.json")
+
+
+def held_run(cfg) -> str:
+    """What `cfg.run_dir` (and checkpoint.dir) already hold of a run, in words; '' when nothing."""
+    from pathlib import Path
+
+    run, ckpt = Path(cfg.run_dir), Path(cfg.checkpoint.dir)
+    found = [name for name in RUN_RECORDS if (run / name).is_file()]
+    steps = sorted(p.name for p in ckpt.glob("step_*")) if ckpt.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s) in {ckpt}, the latest {steps[-1]}")
+    return ", ".join(found)
+
+
+def claim_run_dir(cfg, if_exists: str = "error"):
+    """`megapkl train` into a directory that already holds a run: 'error' refuses (one line naming
+    the directory and what it holds), 'resume' continues from its latest checkpoint
+    (checkpoint.resume: true unless the config names one), 'overwrite' deletes the run directory
+    and checkpoint.dir first. Returns the config to train."""
+    import dataclasses
+    import shutil
+
+    held = held_run(cfg)
+    if not held:
+        return cfg
+    if if_exists == "error":
+        from megapkl.errors import MegapklError
+
+        raise MegapklError(f"run directory {cfg.run_dir} already holds a run ({held}); pass "
+                           "--if-exists resume (continue from its latest checkpoint) or "
+                           "--if-exists overwrite (delete it), or set another name (name=...)")
+    if if_exists == "overwrite":
+        shutil.rmtree(cfg.checkpoint.dir, ignore_errors=True)
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        return cfg
+    if cfg.checkpoint.resume is False:
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+    return cfg
+
+
 def _rank_main(rank: int, world: int, cfg) -> Any:
     from megapkl.train.loop import run
 
