@@ -8,8 +8,8 @@ built with transformers' config classes (no downloads) it prints one JSON line p
 - one step of megatron DDP + distributed Adam (BF16 params, fp32 main weights) vs torch Adam on
   the fp32 HF model: pre-clip grad norms and the max parameter difference after the step.
 
-Run (a device session; megatron-core is not in the GPU image: carry its wheel, and
-transformers<5 because the tiny checkpoints are written with 4.x names):
+Run (a device session; megatron-core is not in the GPU image: carry its wheel, and the
+transformers the project pins, 5.x, whose Qwen3 / Qwen3-MoE names the checkpoints use):
     python tools/gpu_checks/models_te_bf16.py            # --no-te to force the local spec
 Expected (measured with the local spec in BF16 on CPU, where the script also runs): logits within
 ~1e-2 of fp32 HF (HF's own BF16 differs from its fp32 by as much), export exact, grad norms within
