@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "accepted anywhere on the line, or MEGAPKL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # KEY=VALUE overrides anywhere on a command's line (megapkl.launch.cli.add_overrides)
-    from megapkl.launch.cli import _IntermixedParser, add_overrides
+    from megapkl.config.overrides_cli import _IntermixedParser, add_overrides
 
     config = sub.add_parser("config", help="show, validate or list the keys of run configs")
     csub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

@@ -201,7 +201,7 @@ def format_table(result: dict) -> str:
 
 def add_subcommand(sub) -> None:
     """`megapkl diagnose correction-variance ...` (registered by megapkl/cli.py)."""
-    from megapkl.launch.cli import _IntermixedParser
+    from megapkl.config.overrides_cli import _IntermixedParser
 
     diag = sub.add_parser("diagnose", help="the papers' fixed-policy diagnostics")
     kinds = diag.add_subparsers(dest="diagnostic", required=True)

@@ -67,7 +67,7 @@ def one_gpu_bytes(cfg, *, learner: bool, dedicated: bool) -> dict[str, float]:
     `learner` (diagnose) its fp32 gradients, optimizer state (fp32 main copy + Adam, 12 bytes per
     parameter; 8 for an fp32 model) and the reference snapshot; the engine's weights unless they
     live on servers of their own (`dedicated`) or elsewhere (urls)."""
-    from megapkl.launch.plan import served_weight_bytes, total_params  # arithmetic only
+    from megapkl.models.sizes import served_weight_bytes, total_params
     from megapkl.models.spec import spec_from_model_config
 
     spec = spec_from_model_config(cfg.model)
@@ -287,7 +287,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub) -> None:
-    from megapkl.launch.cli import _IntermixedParser
+    from megapkl.config.overrides_cli import _IntermixedParser
 
     ev = sub.add_parser("eval", help="evaluate a run's checkpoint on benchmarks")
     ev.__class__ = _IntermixedParser  # KEY=VALUE anywhere on the line

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from megapkl.config.overrides_cli import _IntermixedParser, add_overrides  # noqa: F401
+
 EXIT_LAUNCH = 1
 
 
@@ -35,29 +37,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job(s) and print results")
     p.add_argument("--force", action="store_true",
                    help="submit even when `megapkl plan` says the run does not fit its GPUs")
-
-
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets KEY=VALUE overrides follow options (`submit CONFIG --profile P seed=1`): plain
-    argparse stops filling a positional list at the first option."""
-
-    _inner = False
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        if self._inner:
-            return super().parse_known_args(args, namespace)
-        self._inner = True
-        try:
-            return super().parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inner = False
-
-
-def add_overrides(parser: argparse.ArgumentParser, help: str = "run config overrides") -> None:
-    """The KEY=VALUE positional of a command, accepted anywhere on its line (before, between or
-    after the options): every command that takes overrides registers them through here."""
-    parser.__class__ = _IntermixedParser
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=help)
 
 
 def add_subcommands(sub: Any) -> None:

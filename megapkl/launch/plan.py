@@ -41,66 +41,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from megapkl.models.sizes import (Layout, layer_params, padded_vocab,  # noqa: F401
+                                  served_weight_bytes, stage_params, total_params)
+
 GIB = 1024 ** 3
 DEFAULT_MFU = 0.35
 # SGLang decode tokens/s of one GPU over all its requests, when a GPU profile sets no
 # gpu_decode_tokens_per_s: Qwen3 1.7B-8B with FP8 weights and BF16 KV at 16K-token responses on
 # an H100 (KV-cache reads bound decoding at long context). An assumption: measure your own.
 DEFAULT_DECODE_TOKENS_PER_S = 1500.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    sp: bool = False
-
-
-# ------------------------------------------------------------------ parameters
-
-
-def padded_vocab(spec, tp: int) -> int:
-    return spec.padded_vocab_size(tp)
-
-
-def layer_params(spec, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters of one transformer layer held by one rank."""
-    h, hd = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_attention_heads * hd, spec.num_query_groups * hd
-    attn = h * (q + 2 * kv) // tp + q * h // tp
-    norms = 2 * h + (2 * hd if spec.qk_layernorm else 0)
-    if not spec.is_moe:
-        return attn + norms + 3 * h * spec.ffn_hidden_size // tp, 0
-    router = h * spec.num_experts
-    experts = spec.num_experts // ep * 3 * h * spec.moe_ffn_hidden_size  # expert TP = 1
-    return attn + norms + router, experts
-
-
-def stage_params(spec, lay: Layout, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters of pipeline stage `stage` on one rank."""
-    dense, expert = layer_params(spec, lay.tp, lay.ep)
-    layers = spec.num_layers // lay.pp
-    dense, expert = dense * layers, expert * layers
-    emb = padded_vocab(spec, lay.tp) * spec.hidden_size // lay.tp
-    if stage == 0:
-        dense += emb
-    if stage == lay.pp - 1:
-        dense += spec.hidden_size  # final norm
-        if not spec.tie_word_embeddings or lay.pp > 1:
-            dense += emb  # the output layer (a tied one is a copy on the last stage)
-    return dense, expert
-
-
-def total_params(spec, active: bool = False) -> int:
-    """Whole-model parameters (active: only the routed experts of a token count)."""
-    lay = Layout()
-    dense, expert = stage_params(spec, lay, 0)
-    if active and spec.is_moe:
-        expert = expert * spec.moe_router_topk // spec.num_experts
-    return dense + expert
 
 
 # ------------------------------------------------------------------ memory
@@ -364,16 +313,6 @@ def _engine_memory(cfg, spec, gpu: Optional[float]) -> dict[str, float]:
         return {}
     return {"engine_gib": sg.mem_fraction_static * gpu,
             "engine_weights_gib": served_weight_bytes(spec, cfg.rollout.fp8) / sg.tp / GIB}
-
-
-def served_weight_bytes(spec, fp8: bool) -> float:
-    """Bytes of the weights an SGLang server holds in all: BF16, or under rollout.fp8 one byte
-    per linear-layer parameter (embeddings, lm_head, norms and routers stay BF16)."""
-    total = total_params(spec)
-    if not fp8:
-        return 2.0 * total
-    emb = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    return 2.0 * emb + 1.0 * (total - emb)
 
 
 def fleet_line(cfg) -> str:
