@@ -25,6 +25,7 @@ unpatched.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -165,6 +166,9 @@ def _worker_main(fn, rank, world_size, port, results, timeout, threads, install_
     import torch
     import torch.distributed as dist
 
+    # Every thread's stack on stderr just before the parent kills a rank that overran its
+    # timeout: what a hang was waiting for, in the test's captured output.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 3.0), exit=False)
     try:
         torch.set_num_threads(threads)
         if install_compat:

@@ -83,6 +83,15 @@ def generate_counts(run_dir: Path) -> dict[str, int]:
     return counts
 
 
+def print_log_tails(run_dir: Path, lines: int = 40) -> None:
+    for log in sorted((run_dir / "sglang" / "logs").glob("*.log")):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")).splitlines()
+        print(f"==== {log} (last {lines} of {len(text)} lines)", *text[-lines:], sep="\n")
+    if (run_dir / "metrics.jsonl").exists():
+        print(f"==== {run_dir / 'metrics.jsonl'}: "
+              f"{len((run_dir / 'metrics.jsonl').read_text().splitlines())} updates logged")
+
+
 def assert_served(run_dir: Path, *, via_router: bool = True) -> dict[str, int]:
     """Both launched workers answered /generate requests, every one through the router (or, for
     routing replay, none: the router drops `return_routed_experts`, so R3 goes direct)."""
@@ -100,7 +109,11 @@ def test_demo_learns_through_router_with_launched_servers(dist_run, tmp_path):
 
     run = tmp_path / "learn"
     cfg = load_config("configs/demo/cpu_demo.yaml", [*LEARN, *sglang_overrides("tiny-qwen3", run)])
-    dist_run(_rank_main, 1, cfg, timeout=400)
+    try:
+        dist_run(_rank_main, 1, cfg, timeout=400)
+    except Exception:
+        print_log_tails(run)  # what the servers and the router did, for a failure seen only in CI
+        raise
     rows = read_metrics(run)
     acc = [r["train/accuracy"] for r in rows]
     assert len(acc) == STEPS
