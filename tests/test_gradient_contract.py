@@ -24,7 +24,11 @@ OTHER = ("logp_behav", "logp_prox", "logp_init", "topk_logp", "topk_logp_behav",
 CONFIGS = [(n, {"name": n}, {"top_k": 3} if n == "dppo_tv" else {}) for n in OBJECTIVES]
 CONFIGS += [(f"{n}-smtm", {"name": n, "aggregation": "seq_mean_token_mean"}, {})
             for n in ("pg", "grpo", "proximal_kl", "seq_is", "is_free", "cispo", "m2po", "tetpo")]
-CONFIGS += [(f"{n}-seq_mean", {"name": n, "aggregation": "seq_mean"}, {}) for n in ("grpo", "gspo", "gepo")]
+CONFIGS += [(f"{n}-seq_mean", {"name": n, "aggregation": "seq_mean"}, {}) for n in ("grpo", "gepo")]
+CONFIGS += [(f"dual-{n}", {"name": n, "clip_ratio_c": 1.5}, {"top_k": 3, "learner_scale": 1.2})
+            for n in ("grpo", "dapo", "dppo_tv", "clip_cov")]
+CONFIGS += [("dual-sis-grpo", {"name": "grpo", "clip_ratio_c": 1.5, "sis": {"enabled": True, "top_k": 3}},
+             {"top_k": 3, "learner_scale": 1.2})]
 CONFIGS += [("pkl-tsn", {"name": "proximal_kl", "aggregation": "token_sum_norm", "norm_constant": 77.0}, {})]
 CONFIGS += [("pkl-tail", {"name": "proximal_kl", "horizon": 3, "tail": "linear", "cost_clip": None}, {})]
 CONFIGS += [(f"sis-{n}-K{k}", {"name": n, "sis": {"enabled": True, "top_k": k}}, {"top_k": k})

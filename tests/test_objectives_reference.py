@@ -167,7 +167,7 @@ for _name in TOKEN_OBJ:
 for _name in ("dppo_tv", "clip_cov"):  # one seed per aggregation (their GRPO core is covered above)
     for _agg in AGGS:
         CASES.append((f"{_name}-{_agg}-s0", {"name": _name, **_agg_cfg(_agg)}, {"seed": 0}))
-for _name, _aggs in (("gspo", ["seq_mean_token_mean", "seq_mean"]), ("gepo", ["seq_mean_token_mean", "seq_mean"]),
+for _name, _aggs in (("gspo", ["seq_mean_token_mean"]), ("gepo", ["seq_mean_token_mean", "seq_mean"]),
                      ("tetpo", ["seq_mean", "seq_mean_token_mean"])):
     for _agg in _aggs:
         for _seed in (0, 1, 2):
@@ -253,6 +253,21 @@ CASES += [
     ("clip_cov-omega-neg", {"name": "clip_cov", "cov_omega": -0.5}, {"seed": 95}),
     ("clip_cov-omega-large", {"name": "clip_cov", "cov_omega": 100.0}, {"seed": 96}),
     ("clip_cov-smtm", {"name": "clip_cov", "aggregation": "seq_mean_token_mean"}, {"seed": 97}),
+]
+# Dual clip (clip_ratio_c): learner far enough from pi_k that ratios above c occur with A < 0
+_DUAL = {"learner_scale": 1.2}
+CASES += [
+    ("dual-grpo-c3", {"name": "grpo", "clip_ratio_c": 3.0}, {"seed": 100, **_DUAL}),
+    ("dual-grpo-c1.1-smtm", {"name": "grpo", "clip_ratio_c": 1.1, "aggregation": "seq_mean_token_mean"},
+     {"seed": 101, **_DUAL}),
+    ("dual-dapo-c1.25", {"name": "dapo", "clip_ratio_c": 1.25}, {"seed": 102, **_DUAL}),
+    ("dual-grpo-coupled", {"name": "grpo", "clip_ratio_c": 2.0}, {"seed": 103, "with_prox": False, **_DUAL}),
+    ("dual-sis-grpo", {"name": "grpo", "clip_ratio_c": 1.5, "sis": {"enabled": True, "top_k": 3}, "seed": 5},
+     {"seed": 104, "top_k": 3, "response_uid": list(range(100, 112)), "step": 17, **_DUAL}),
+    ("dual-sis-dapo", {"name": "dapo", "clip_ratio_c": 1.5, "sis": {"enabled": True, "top_k": 8}},
+     {"seed": 105, "top_k": 8, **_DUAL}),
+    ("dual-dppo_tv", {"name": "dppo_tv", "clip_ratio_c": 1.5, "tv_delta": 0.5}, {"seed": 106, **_DUAL}),
+    ("dual-clip_cov", {"name": "clip_cov", "clip_ratio_c": 1.5}, {"seed": 107, **_DUAL}),
 ]
 # DPPO-TV reads the behavior top-K: every batch built for it records one (K = 3 unless given).
 CASES = [(c, cfg, {**bk, "top_k": bk.get("top_k", 3)} if cfg["name"] == "dppo_tv" else bk)

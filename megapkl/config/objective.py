@@ -26,6 +26,8 @@ DEFAULT_EPS = {  # (eps_clip_low, eps_clip_high)
 }
 # Objectives whose coefficient contains the token weight w_t, so SIS can replace it.
 SIS_OBJECTIVES = ("pg", "grpo", "dapo", "cispo", "proximal_kl", "gspo")
+# Objectives with GRPO's per-token PPO clip, where the dual clip (clip_ratio_c) applies.
+DUAL_CLIP_OBJECTIVES = ("grpo", "dapo", "dppo_tv", "clip_cov")
 # Objectives whose weight is one per sequence; their surrogate value counts once per response.
 SEQUENCE_OBJECTIVES = ("gspo", "tetpo", "gepo")
 # Objectives that use the future-KL credit C_t (PKL eq. 5).
@@ -58,6 +60,9 @@ class ObjectiveConfig:
     # PPO clip widths; unset: the objective's (0.2/0.2; dapo 0.2/0.28; gspo 3e-4/4e-4)
     eps_clip_low: Optional[float] = field(default=None, metadata=rng(0.0, 1.0))
     eps_clip_high: Optional[float] = field(default=None, metadata=rng(0.0))  # see eps_clip_low
+    # dual clip c > 1 (verl clip_ratio_c, slime --eps-clip-c): where A < 0 the surrogate is at
+    # least c A, so a token with ratio above c gets no gradient; null: off
+    clip_ratio_c: Optional[float] = field(default=None, metadata=rng(1.0, lo_open=True))
     is_clip: tuple[float, float] = (0.0, 5.0)  # cispo: [c_lo, c_hi] of the clipped weight
     # tetpo: target ESS / G
     kappa: float = field(default=0.85, metadata=rng(0.0, 1.0, lo_open=True))
@@ -86,6 +91,9 @@ class ObjectiveConfig:
         if self.sis.enabled and self.name not in SIS_OBJECTIVES:
             err(f"SIS replaces the token weight w_t of {', '.join(SIS_OBJECTIVES)} "
                 f"it is not defined for objective '{self.name}'", "sis.enabled")
+        if self.clip_ratio_c is not None and self.name not in DUAL_CLIP_OBJECTIVES:
+            err(f"the dual clip acts on the per-token PPO clip of {', '.join(DUAL_CLIP_OBJECTIVES)}; "
+                f"objective '{self.name}' has none", "clip_ratio_c")
         agg = self.aggregation or DEFAULT_AGGREGATION.get(self.name, "token_mean")
         if agg == "token_sum_norm" and self.norm_constant is None:
             err("aggregation token_sum_norm needs norm_constant (e.g. max response length x responses)",
@@ -93,6 +101,11 @@ class ObjectiveConfig:
         if self.name in SEQUENCE_OBJECTIVES and agg not in ("seq_mean", "seq_mean_token_mean"):
             err(f"{self.name} weights whole sequences: use seq_mean or seq_mean_token_mean, not {agg}",
                 "aggregation")
+        if self.name == "gspo" and agg == "seq_mean":
+            # s_m is length-normalized: grad of the per-response surrogate carries 1/T_m, which only
+            # seq_mean_token_mean's per-token weight reproduces (seq_mean would apply T_m times it).
+            err("gspo's per-response surrogate min(s A, clip(s) A) has the gradient of "
+                "seq_mean_token_mean; seq_mean would apply T_m times that gradient", "aggregation")
 
     @property
     def needs_topk(self) -> bool:

@@ -26,4 +26,4 @@ def clip_cov(s: Stats) -> Terms:
     keep = covariance(s.logp, s.adv, s.ctx.token_means) <= s.cfg.cov_omega
     base = grpo(s)
     return Terms(coef=base.coef * keep, value=base.value * keep, clipped=base.clipped,
-                 token_metrics={"clip_cov/mask_frac": ~keep})
+                 token_metrics={**base.token_metrics, "clip_cov/mask_frac": ~keep})

@@ -33,4 +33,4 @@ def dppo_tv(s: Stats) -> Terms:
     keep = tv <= s.cfg.tv_delta
     base = grpo(s)
     return Terms(coef=base.coef * keep, value=base.value * keep, clipped=base.clipped,
-                 token_metrics={"dppo/mask_frac": ~keep, "dppo/tv": tv})
+                 token_metrics={**base.token_metrics, "dppo/mask_frac": ~keep, "dppo/tv": tv})

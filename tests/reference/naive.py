@@ -85,7 +85,7 @@ def resolve_cfg(cfg: Mapping[str, Any]) -> dict:
     """SPEC section 8 defaults plus the per-objective defaults."""
     out = {
         "name": "proximal_kl", "aggregation": None, "beta": 0.30, "horizon": "full",
-        "cost_clip": 0.05, "tail": "none", "eps_clip_low": None, "eps_clip_high": None,
+        "cost_clip": 0.05, "tail": "none", "eps_clip_low": None, "eps_clip_high": None, "clip_ratio_c": None,
         "is_clip": (0.0, 5.0), "kappa": 0.85, "bisection_steps": 24, "m2_threshold": 0.04,
         "tv_delta": 0.15, "cov_omega": 1.0, "sis": {"enabled": False, "top_k": 10}, "kl_init_coef": 0.0, "entropy_coef": 0.0, "seed": 0,
         "norm_constant": None,
@@ -427,6 +427,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
     term = [0.0] * N          # per-token surrogate (token objectives)
     seq_term = [0.0] * M      # per-response surrogate (sequence objectives)
     clipped = [0] * N
+    dual = [0] * N            # tokens where the dual clip binds
     metrics: dict[str, float] = {}
 
     if name in TOKEN_OBJECTIVES:
@@ -460,9 +461,15 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
                         c, val = a, a
                     else:
                         act = active(rho[t], a, lo, hi)
+                        surr = clipped_term(rho[t], a, lo, hi)
+                        cc = cfg["clip_ratio_c"]
+                        # dual clip (verl clip_ratio_c): for A < 0 the surrogate is max(c A, surr)
+                        if cc is not None and a < 0 and cc * a > surr:
+                            act, surr = False, cc * a
+                            dual[t] = 1
                         clipped[t] = 0 if act else 1
                         c = keep[t] * w[t] * a * (1.0 if act else 0.0)
-                        val = keep[t] * rfac[t] * clipped_term(rho[t], a, lo, hi)
+                        val = keep[t] * rfac[t] * surr
                 elif name == "cispo":
                     clo, chi = float(cfg["is_clip"][0]), float(cfg["is_clip"][1])
                     if z[t]:
@@ -491,6 +498,8 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
         for t in range(N):
             loss_main += f[t] * term[t]
         loss_main = -loss_main / Z
+        if cfg["clip_ratio_c"] is not None:
+            metrics["clip/dual_frac"] = sum(dual) / N
         if name == "m2po":
             nz = 0
             for v in m2mask:
@@ -627,6 +636,8 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
     names = set(COMMON_METRICS)
     if name in CLIP_OBJECTIVES:
         names.add("clip/frac")
+    if cfg["clip_ratio_c"] is not None:
+        names.add("clip/dual_frac")
     q = ("_p10", "_p50", "_p90")
     if name in CREDIT_OBJECTIVES:
         names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max", "pkl/adv_abs_mean"}
