@@ -82,3 +82,20 @@ def test_plan_sizes_a_paper_config_without_checkpoint_or_tokenizer(capsys):
     # training still needs the tokenizer: validation says so, naming the key
     assert main(["config", "validate", PAPER_32B, "model.hf_checkpoint=null"]) == 2
     assert "data.train_path" in capsys.readouterr().err
+
+
+# ---- one precedence rule for the Slurm keys: config key set > profile > code default
+
+def test_slurm_keys_config_set_wins_then_profile_then_code_default(tmp_path):
+    from megapkl.launch.submit import submit
+
+    from tests.launch.conftest import TINY, TOY
+
+    unset = submit(TINY, "local_cpu", [f"run_dir={tmp_path}/a"], entry=TOY, dry_run=True)
+    assert unset.sbatch_params["time"] == 15  # local_cpu.yaml's time: "00:15:00"
+    assert "exclusive" not in unset.sbatch_params  # local_cpu.yaml's exclusive: false
+    cfg = load_config(TINY)
+    assert cfg.slurm.time is None and cfg.slurm.exclusive is None  # the reference says so
+    set_ = submit(TINY, "local_cpu", [f"run_dir={tmp_path}/b", "slurm.time=00:07:00",
+                                      "slurm.exclusive=true"], entry=TOY, dry_run=True)
+    assert set_.sbatch_params["time"] == 7 and set_.sbatch_params["exclusive"] is True

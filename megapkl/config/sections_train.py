@@ -228,7 +228,8 @@ class CheckpointConfig:
 class SlurmConfig:
     """Where `megapkl submit` runs the job. The trainer world size is known when both `nodes` and
     `gpus_per_node` are set (minus SGLang GPUs when engines are not colocated); a local run leaves
-    them null. Cluster profiles (a later issue) fill the rest by `profile` name."""
+    them null. One rule for every key: a key set here (a file or an override) > the cluster
+    profile's value (slurm/profiles/, by `profile` name or --profile) > the code's default."""
 
     # slurm/profiles/<name>.yaml or a path, when --profile is not given
     profile: Optional[str] = None
@@ -236,18 +237,19 @@ class SlurmConfig:
     gpus_per_node: Optional[int] = field(default=None, metadata=rng(1))  # unset: the profile's
     cpus_per_task: Optional[int] = field(default=None, metadata=rng(1))  # unset: the profile's
     mem: Optional[str] = None  # e.g. '0' (all) or '500G'
-    time: str = "04:00:00"  # the job's time limit (sbatch --time); it requeues itself at the end
+    # the job's time limit (sbatch --time; it requeues itself at the end); unset: the profile's
+    time: Optional[str] = None
     partition: Optional[str] = None  # unset: the profile's
     account: Optional[str] = None  # unset: the profile's
     qos: Optional[str] = None  # unset: the profile's
     constraint: Optional[str] = None  # sbatch --constraint (GPU type); unset: the profile's
     job_name: Optional[str] = None  # unset: the run name
-    exclusive: bool = True  # whole nodes (sbatch --exclusive)
+    exclusive: Optional[bool] = None  # whole nodes (sbatch --exclusive); unset: the profile's
     setup: list[str] = field(default_factory=list)  # shell lines run before the trainer
     extra: dict[str, Any] = field(default_factory=dict)  # extra sbatch parameters
 
     def check(self, err) -> None:
-        if not _SLURM_TIME.match(self.time):
+        if self.time is not None and not _SLURM_TIME.match(self.time):
             err(f"expected a Slurm time such as '04:00:00' or '1-12:00:00', got '{self.time}'",
                 "time")
         if (self.nodes is None) != (self.gpus_per_node is None):
