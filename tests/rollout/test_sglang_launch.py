@@ -253,3 +253,22 @@ def test_routers_of_replicas_sharing_a_node_never_share_a_port(replicas):
     pairs = [router_ports(sg, r, replicas) for r in range(replicas)]
     ports = [p for pair in pairs for p in pair]
     assert len(set(ports)) == len(ports), pairs
+
+
+def test_tensor_sync_to_a_server_on_another_host_is_refused_before_any_wait():
+    """`tensor` sync sends shared-memory file names, which exist on this host only."""
+    import socket
+    from types import SimpleNamespace
+
+    from megapkl.rollout.sglang.build import connect_fleet
+    from megapkl.rollout.sglang.launch import ServerLaunchError, refuse_remote_tensor_sync
+
+    sg = SimpleNamespace(urls=["http://127.0.0.1:30000", "http://gpu-node-17.invalid:30000"],
+                         weight_sync="tensor")
+    with pytest.raises(ServerLaunchError, match=r"rollout.sglang.weight_sync: tensor .*"
+                       r"gpu-node-17.invalid, rollout.sglang.urls\[1\]"):
+        connect_fleet(sg, None)
+    for host in ("127.0.0.1", "localhost", socket.gethostname()):
+        refuse_remote_tensor_sync("tensor", host, "here")  # this host: accepted
+    for mode in ("distributed", "disk"):
+        refuse_remote_tensor_sync(mode, "gpu-node-17.invalid", "there")

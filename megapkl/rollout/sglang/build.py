@@ -14,7 +14,8 @@ from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address,
-                                           plan_servers, releases_memory, router_command,
+                                           plan_servers, refuse_remote_tensor_sync,
+                                           releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
@@ -168,6 +169,11 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
 def connect_fleet(sg: Any, want: Expected) -> Fleet:
     """Servers someone else started: each must answer /health within startup_timeout_s and
     serve what `want` asks (served.py); the router only /health."""
+    from urllib.parse import urlsplit
+
+    for i, u in enumerate(sg.urls):  # before any server is waited for
+        refuse_remote_tensor_sync(sg.weight_sync, urlsplit(u).hostname or "",
+                                  f"rollout.sglang.urls[{i}]")
     health = health_settings(sg)
     fleet = Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url)
     # (config key, url, is a server whose flags and model must match)

@@ -293,6 +293,7 @@ def plan_servers(sg: Any, *, log_dir: Path,
         for i in range(sg.num_engines):
             k = replica * sg.num_engines + i  # no slots: the run's servers in turn over the nodes
             node = nodes[(k if slots is None else slots[i].node) % len(nodes)]
+            refuse_remote_tensor_sync(sg.weight_sync, node, "rollout.sglang.colocate false")
             port = first + i
             cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
                    *make_cmd(host, port, gpu[i])]
@@ -313,3 +314,20 @@ def local_address(host: str) -> str:
 def this_node() -> str:
     """This process's node name as the allocation's other nodes know it."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def on_this_host(hostname: str) -> bool:
+    """Is `hostname` (a server URL's host) this machine, as far as its names tell?"""
+    from megapkl.rollout.sglang.http import is_loopback
+
+    names = {this_node(), socket.gethostname(), socket.getfqdn(), "localhost"}
+    return is_loopback(hostname) or hostname in names or hostname.split(".")[0] in names
+
+
+def refuse_remote_tensor_sync(mode: str, hostname: str, where: str) -> None:
+    """`tensor` sync sends shared-memory file names (and CUDA IPC handles), which exist on this
+    host only: a server on another host could never load them."""
+    if mode == "tensor" and not on_this_host(hostname):
+        raise ServerLaunchError(
+            f"rollout.sglang.weight_sync: tensor sends shared-memory file names, which a server on "
+            f"another host ({hostname}, {where}) cannot open: use distributed or disk")
