@@ -272,3 +272,42 @@ def test_tensor_sync_to_a_server_on_another_host_is_refused_before_any_wait():
         refuse_remote_tensor_sync("tensor", host, "here")  # this host: accepted
     for mode in ("distributed", "disk"):
         refuse_remote_tensor_sync(mode, "gpu-node-17.invalid", "there")
+
+
+def test_each_launched_server_runs_on_its_gpus_share_of_the_nodes_cpus(tmp_path):
+    """A server inherits its launcher's affinity, which a task binding narrows to the leader
+    rank's cores: each launched server gets its GPUs' slice of the job's CPUs instead."""
+    import os
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from megapkl.rollout.sglang.affinity import job_cpus, parse_cpu_list, server_cpus
+    from megapkl.rollout.sglang.launch import plan_servers
+    from megapkl.rollout.sglang.placement import Slot
+
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    cpus = list(range(16))
+    assert server_cpus(0, 1, 8, cpus) == [0, 1] and server_cpus(7, 1, 8, cpus) == [14, 15]
+    assert server_cpus(4, 2, 8, cpus) == [8, 9, 10, 11]  # a TP=2 server: both GPUs' slices
+    assert server_cpus(None, 1, 8, cpus) is None and server_cpus(0, 1, None, cpus) is None
+    assert server_cpus(0, 1, 32, cpus) is None  # fewer CPUs than GPUs: inherit
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(job_cpus()) < 2 or len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    os.sched_setaffinity(0, mine[:1])  # the launcher bound to one core, as srun --cpu-bind does
+    try:
+        sg = SimpleNamespace(base_port=30700, num_engines=2, tp=1, colocate=True)
+        probe = [sys.executable, "-c", "import os; print('cpus', sorted(os.sched_getaffinity(0)))"]
+        specs = plan_servers(sg, log_dir=tmp_path, make_cmd=lambda h, p, g: probe,
+                             host="127.0.0.1", slots=[Slot(None, 0), Slot(None, 1)],
+                             gpus_per_node=2)
+        procs = [s.process().start() for s in specs]
+        for p in procs:
+            p.popen.wait(timeout=60)
+    finally:
+        os.sched_setaffinity(0, mine)
+    seen = [p.log_path.read_text().split("cpus ")[-1].strip() for p in procs]
+    share = len(job_cpus()) // 2
+    assert seen == [str(job_cpus()[:share]), str(job_cpus()[share:2 * share])], seen

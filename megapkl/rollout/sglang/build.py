@@ -93,17 +93,22 @@ def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokeni
     return str(path), True
 
 
+def node_gpus() -> Optional[int]:
+    """GPUs on this node: Slurm's count for the job, else CUDA's (None: none seen)."""
+    import torch
+
+    return int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
+
+
 def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
     """Where replica `ctx.replica`'s SGLang servers go on the GPUs (placement.py), from the
     trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
     process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
-    import torch
-
     sg, replica = rollout.sglang, ctx.replica
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
     lay = TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
                         per_node=per_node)
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
+    gpus = node_gpus()
     try:
         return fleet_slots(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=lay,
                            replica=replica, nodes=max(1, len(slurm_nodes())),
@@ -145,7 +150,8 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                               base_gpu_id=base_gpu_id)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
-                         replica=replica, slots=slots, replicas=ctx.replicas)
+                         replica=replica, slots=slots, replicas=ctx.replicas,
+                         gpus_per_node=None if slots is None else node_gpus())
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     fleet = Fleet(workers, health=health)
     try:

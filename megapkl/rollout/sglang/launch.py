@@ -11,6 +11,7 @@ Slurm allocation, dedicated servers (`colocate: false`) run on their nodes throu
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megapkl.errors import MegapklError
 from megapkl.rollout.sglang import http
+from megapkl.rollout.sglang.affinity import server_cpus
 from megapkl.rollout.sglang.placement import Slot
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,13 @@ class ServerLaunchError(MegapklError, RuntimeError):
     """A server or the router did not come up; the message names it and its log."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(cpus: Optional[Sequence[int]] = None) -> None:  # in the child, before exec
     os.setsid()
+    if cpus:  # affinity.py: the share of the node's CPUs that belongs to the server's GPUs
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:  # a cgroup that confines us more tightly: keep what we inherited
+            pass
     try:
         import ctypes
 
@@ -53,6 +60,7 @@ class ServerProcess:
     cmd: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cpus: Optional[list[int]] = None  # the CPUs it runs on (None: the launcher's)
     popen: Optional[subprocess.Popen] = None
 
     def start(self) -> "ServerProcess":
@@ -62,7 +70,7 @@ class ServerProcess:
         log.flush()
         self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=functools.partial(_die_with_parent, self.cpus))
         log.close()
         return self
 
@@ -248,19 +256,22 @@ class ServerSpec:
     cmd: list[str]
     log_path: Path
     tp: int = 1
+    cpus: Optional[list[int]] = None  # affinity.py (None: the launcher's)
 
     def process(self) -> ServerProcess:
-        return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path)
+        return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path,
+                             cpus=self.cpus)
 
 
 def plan_servers(sg: Any, *, log_dir: Path,
                  make_cmd: Callable[[str, int, Optional[int]], list[str]], host: str,
-                 replica: int = 0, slots: Optional[Sequence[Slot]] = None, replicas: int = 1
-                 ) -> list[ServerSpec]:
+                 replica: int = 0, slots: Optional[Sequence[Slot]] = None, replicas: int = 1,
+                 gpus_per_node: Optional[int] = None) -> list[ServerSpec]:
     """One spec per engine of trainer replica `replica` (a data-parallel leader). Ports start at
     base_port + replica * num_engines, so the fleets of replicas sharing a node never collide.
     `slots` (placement.py): the node and first GPU of each server (None: no GPU placement, e.g.
-    `megapkl serve` stand-ins on CPU); `make_cmd(host, port, base_gpu_id)`.
+    `megapkl serve` stand-ins on CPU); `make_cmd(host, port, base_gpu_id)`. A server launched
+    here runs on its GPUs' share of the node's CPUs (affinity.py, `gpus_per_node`).
 
     - colocate (the default), or outside a multi-node Slurm allocation: the engines run on this
       host (the replica's own node), bound to `host` (loopback unless configured).
@@ -301,7 +312,8 @@ def plan_servers(sg: Any, *, log_dir: Path,
                                     log_dir / f"engine{i}.log", sg.tp))
         return specs
     return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
-                       log_dir / f"engine{i}.log", sg.tp)
+                       log_dir / f"engine{i}.log", sg.tp,
+                       cpus=server_cpus(gpu[i], sg.tp, gpus_per_node))
             for i, port in enumerate(pick_ports(host, first, sg.num_engines,
                                                 stride=replicas * sg.num_engines))]
 
