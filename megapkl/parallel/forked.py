@@ -24,8 +24,10 @@ unpatched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -111,8 +113,9 @@ def _run_once(fn, world_size, args, kwargs, timeout, threads, install_compat,
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    with collected_before_fork():
+        for proc in procs:
+            proc.start()
     try:
         out = _collect(procs, results, world_size, timeout)
     except BaseException:
@@ -120,6 +123,24 @@ def _run_once(fn, world_size, args, kwargs, timeout, threads, install_compat,
         raise
     _reap(procs)
     return out
+
+
+@contextlib.contextmanager
+def collected_before_fork():
+    """Collect the parent's garbage, then freeze what is left, around a fork.
+
+    A forked child inherits the parent's unreachable objects too (a process group, a store or a
+    thread pool of an earlier run, kept alive by a reference cycle). If the child's collector
+    finalizes them, their C++ destructors join threads and take locks that do not exist in the
+    child: it aborts or hangs mid-statement. So the parent collects them where they were made,
+    and what survives is frozen (`gc.freeze`): the child's collector never visits it.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _collect(procs: list, results: Any, world_size: int, timeout: float) -> List[Any]:

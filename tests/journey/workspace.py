@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megapkl.parallel.forked import collected_before_fork
+
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "models"
 
@@ -70,7 +72,8 @@ def megapkl(*argv: str, timeout: float = 600.0) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         proc = mp.get_context("fork").Process(target=_child, args=(argv, out, err))
-        proc.start()
+        with collected_before_fork():  # the child must not finalize this process's garbage
+            proc.start()
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()

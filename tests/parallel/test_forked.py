@@ -67,3 +67,32 @@ def test_busy_port_is_retried(monkeypatch):
         fresh = forked.free_port
         monkeypatch.setattr(forked, "free_port", lambda: next(ports, None) or fresh())
         assert run_forked(lambda rank, ws: rank, 2, install_compat=False) == [0, 1]
+
+
+def _collect_garbage(rank, world_size):
+    import gc
+
+    return gc.collect() >= 0
+
+
+def test_a_rank_never_finalizes_the_parents_garbage():
+    """An earlier run's gloo group left in a reference cycle of the parent: a rank whose collector
+    finalized it would run its C++ destructor where its threads do not exist (it aborts)."""
+    import datetime
+    import gc
+
+    gc.disable()  # keep the cycle alive until the fork, as an unlucky collection schedule would
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+        group = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+        group.allreduce([torch.ones(2)]).wait()  # its worker threads run now
+
+        class Holder:
+            pass
+
+        cycle = Holder()
+        cycle.self, cycle.group, cycle.store = cycle, group, store
+        del cycle, group, store
+        assert run_forked(_collect_garbage, 1, init_distributed=False, timeout=60) == [True]
+    finally:
+        gc.enable()

@@ -19,6 +19,7 @@ import torch
 from rollout_tiny import DENSE, MOE, build_model, teacher_forced
 from sglang_fixtures import free_port, http
 
+from megapkl.parallel.forked import collected_before_fork
 from megapkl.rollout.embedded import EmbeddedEngine
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem
@@ -326,7 +327,8 @@ def test_update_weights_from_distributed_bit_identical(dense, dense_model, flatt
     port, group = free_port(), f"wug{int(flattened)}"
     ctx = multiprocessing.get_context("fork")
     trainer = ctx.Process(target=_broadcast_side, args=(port, named, group, flattened))
-    trainer.start()
+    with collected_before_fork():  # the child must not finalize this process's garbage
+        trainer.start()
     try:
         status, out = dense.post("/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
