@@ -93,7 +93,7 @@ def test_the_scripts_parse():
 
 
 def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
-    (tmp_path / "status.txt").write_text("train 0\nlaunch 1\nfp8 0\n")
+    (tmp_path / "status.txt").write_text("train 0\nlaunch 1\nfp8 0\nlifecycle 1\n")
     (tmp_path / "train.json").write_text(json.dumps(
         {"ok": True, "device": "X", "tokens_per_s": 10.0, "mfu": 0.3, "peak_memory_gib": 40.0,
          "weight_export_s": 1.5, "checks": {"a": {"ok": True}}}) + "\n")
@@ -104,11 +104,30 @@ def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
         json.dumps({"check": "export_quantize", "export_plus_quantize_s": 0.4,
                     "goal_export_plus_quantize_le_1s": True}) + "\n"
         + json.dumps({"check": "error_bound", "ok": True}) + "\n")
+    (tmp_path / "lifecycle.json").write_text(
+        json.dumps({"check": "update_group", "ok": True, "split_count_before": 0,
+                    "split_count_after_update_group": 0,
+                    "split_count_after_control_new_group": 1}) + "\n"
+        + json.dumps({"check": "free_before_resume", "ok": False}) + "\n")
     out = subprocess.run([sys.executable, str(CHECKS / "summary.py"), str(tmp_path), "gpu"],
                          capture_output=True, text=True, timeout=60)
     summary = json.loads(out.stdout.splitlines()[-1])
     assert out.returncode == 1 and not summary["ok"]
-    assert summary["verdicts"] == {"train": True, "launch": False, "fp8": True}
+    assert summary["verdicts"] == {"train": True, "launch": False, "fp8": True,
+                                   "lifecycle": False}
+    assert summary["failed"]["lifecycle"]["checks"] == ["free_before_resume"]
+    assert summary["update_group_splits"]["split_count_after_control_new_group"] == 1
     assert summary["failed"]["launch"]["checks"] == ["sigterm_checkpoints_and_stops"]
     assert "device type cpu" in summary["failed"]["launch"]["log_tail"][0]
     assert (summary["tokens_per_s"], summary["fp8_export_plus_quantize_s"]) == (10.0, 0.4)
+
+
+def test_the_lifecycle_check_runs_its_code_paths_on_cpu():
+    """The same script as on the GPU: the update group is opened and broadcast on over gloo, the
+    cache freeing runs; the GPU-only assertions say they were skipped, and nothing else."""
+    out = subprocess.run([sys.executable, str(CHECKS / "lifecycle_gpu.py"), "--device", "cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["check"] for r in rows] == ["update_group", "free_before_resume"]
+    assert all(r["ok"] and r["skipped"] for r in rows), rows

@@ -6,7 +6,9 @@
 #    size 1), the final checkpoint, a resume from it; tokens/s, MFU, peak memory, export seconds;
 # 2. launch_gpu.py: `megapkl train` under torchrun, SIGTERM mid-run (the stop-signal path:
 #    checkpoint and exit), resume to the end;
-# 3. fp8_gpu.py: block-FP8 quantization of a Qwen3-8B-shaped export on the GPU (goal <= 1 s).
+# 3. fp8_gpu.py: block-FP8 quantization of a Qwen3-8B-shaped export on the GPU (goal <= 1 s);
+# 4. lifecycle_gpu.py: the weight-update group does not split a device-bound default group, and
+#    the trainer's cached blocks are freed before a colocated server resumes.
 # Each check's JSON and log land in $OUT (default $TMPDIR/megapkl_gpu_checks); the last line
 # printed is one JSON summary (also summary.json). Exit status 1 when a check failed.
 set -uo pipefail
@@ -20,9 +22,10 @@ if [ "${1:-}" = "--cpu" ]; then
   MODE=cpu
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   TRAIN=(--device cpu --tiny --steps 2 --resume-steps 1)
-  LAUNCH=(--device cpu --steps 4 --timeout 300)
+  LAUNCH=(--device cpu --steps 20 --timeout 300)  # long enough that SIGTERM lands mid-run
   FP8=(--device cpu --small --repeats 1)
-  LIMITS=(900 900 300)
+  LIFECYCLE=(--device cpu)
+  LIMITS=(900 900 300 120)
 else
   MODE=gpu
   WHEELS="$ROOT/tools/gpu_checks/wheels"
@@ -36,9 +39,10 @@ else
       --target "$SITE" "$WHEELS"/*.whl || exit 2
   export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   TRAIN=(--steps 6 --resume-steps 2)
-  LAUNCH=(--steps 6 --timeout 60)
+  LAUNCH=(--steps 30 --timeout 60)
   FP8=()
-  LIMITS=(270 130 60)   # 7.7 min at most, the installation above included in the margin
+  LIFECYCLE=()
+  LIMITS=(260 120 60 40)   # 8 min at most, the installation above included in the margin
 fi
 export PYTHONUNBUFFERED=1
 
@@ -51,4 +55,5 @@ check() {  # name, time limit (s), script and arguments
 check train "${LIMITS[0]}" tools/gpu_checks/train_gpu.py "${TRAIN[@]}"
 check launch "${LIMITS[1]}" tools/gpu_checks/launch_gpu.py "${LAUNCH[@]}"
 check fp8 "${LIMITS[2]}" tools/gpu_checks/fp8_gpu.py "${FP8[@]}"
+check lifecycle "${LIMITS[3]}" tools/gpu_checks/lifecycle_gpu.py "${LIFECYCLE[@]}"
 exec "$PY" tools/gpu_checks/summary.py "$OUT_DIR" "$MODE"

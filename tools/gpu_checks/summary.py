@@ -30,16 +30,21 @@ def main(argv: list[str]) -> int:
     launch = next(iter(lines(out / "launch.json")), {})
     fp8 = {row.get("check"): row for row in lines(out / "fp8.json")}
     quant, bound = fp8.get("export_quantize", {}), fp8.get("error_bound", {})
+    cycle = {row.get("check"): row for row in lines(out / "lifecycle.json")}
+    lifecycle = {"checks": cycle}
     verdicts = {
         "train": status.get("train") == "0" and train.get("ok") is True,
         "launch": status.get("launch") == "0" and launch.get("ok") is True,
         "fp8": status.get("fp8") == "0" and bound.get("ok") is True,
+        "lifecycle": status.get("lifecycle") == "0" and len(cycle) == 2
+        and all(row.get("ok") is True for row in cycle.values()),
     }
     failed = {name: {"exit": status.get(name),
                      "checks": [k for k, c in res.get("checks", {}).items() if not c.get("ok")],
                      "log_tail": (out / f"{name}.log").read_text(errors="replace")
                      .splitlines()[-5:] if (out / f"{name}.log").exists() else []}
-              for name, res in (("train", train), ("launch", launch), ("fp8", bound))
+              for name, res in (("train", train), ("launch", launch), ("fp8", bound),
+                                ("lifecycle", lifecycle))
               if not verdicts[name]}
     summary = {
         "ok": all(verdicts.values()), "mode": argv[1] if len(argv) > 1 else "gpu",
@@ -49,6 +54,10 @@ def main(argv: list[str]) -> int:
         "weight_export_s": train.get("weight_export_s"), "resume_s": train.get("resume_s"),
         "fp8_export_plus_quantize_s": quant.get("export_plus_quantize_s"),
         "fp8_goal_le_1s": quant.get("goal_export_plus_quantize_le_1s"),
+        "update_group_splits": {k: cycle.get("update_group", {}).get(k) for k in (
+            "split_count_before", "split_count_after_update_group",
+            "split_count_after_control_new_group")},
+        "resume_fits_after_free": cycle.get("free_before_resume", {}).get("ok"),
         "seconds": {"train": train.get("total_s"), "launch": launch.get("total_s")},
         "failed": failed,
     }
