@@ -69,6 +69,8 @@ def test_train_if_exists_resume_continues_and_overwrite_deletes(tmp_path):
     assert claim_run_dir(cfg, "resume").checkpoint.resume is True
     named = _cfg(tmp_path, f"checkpoint.resume={run}/checkpoints/step_4")
     assert claim_run_dir(named, "resume").checkpoint.resume == f"{run}/checkpoints/step_4"
+    resumed = _cfg(tmp_path, "checkpoint.resume=true")  # the config says so: no flag needed
+    assert claim_run_dir(resumed, "error") is resumed
     assert claim_run_dir(cfg, "overwrite") is cfg
     assert not run.exists()
 

@@ -38,21 +38,22 @@ def held_run(cfg) -> str:
 
 def claim_run_dir(cfg, if_exists: str = "error"):
     """`megapkl train` into a directory that already holds a run: 'error' refuses (one line naming
-    the directory and what it holds), 'resume' continues from its latest checkpoint
+    the directory and what it holds) unless the config sets checkpoint.resume, 'resume' continues from its latest checkpoint
     (checkpoint.resume: true unless the config names one), 'overwrite' deletes the run directory
     and checkpoint.dir first. Returns the config to train."""
     import dataclasses
     import shutil
 
     held = held_run(cfg)
-    if not held:
-        return cfg
+    if not held or (if_exists == "error" and cfg.checkpoint.resume is not False):
+        return cfg  # checkpoint.resume set in the config says "continue it" already
     if if_exists == "error":
         from megapkl.errors import MegapklError
 
         raise MegapklError(f"run directory {cfg.run_dir} already holds a run ({held}); pass "
                            "--if-exists resume (continue from its latest checkpoint) or "
-                           "--if-exists overwrite (delete it), or set another name (name=...)")
+                           "--if-exists overwrite (delete it) or set checkpoint.resume, or another name "
+                           "(name=...)")
     if if_exists == "overwrite":
         shutil.rmtree(cfg.checkpoint.dir, ignore_errors=True)
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
