@@ -7,9 +7,8 @@ that the *unmodified* library runs on CPU; every patch maps a CUDA-only call ont
 equivalent, so results equal a single-process CPU computation.
 
 Active only when CUDA is absent: on a GPU machine `install()` does nothing and returns
-False. Idempotent. Patches are process-wide (module attributes) except the device rewrite,
-which is a TorchFunctionMode pushed on the calling thread's mode stack (threads created
-later, other than autograd's, do not see it; forked children do).
+False. Idempotent. Patches are process-wide (module and class attributes): every thread sees
+them, and forked children inherit them.
 
 Patches (what megatron hard-codes -> what we do -> why it is safe):
 1. `torch.cuda.current_device()` is used as a device for allocations and `.to()`
@@ -26,7 +25,9 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
    there is nothing to wait on and no graph being captured.
 4. `device="cuda"` / integer device ordinals in factory calls and `.to()`, `pin_memory=True`,
    `Tensor.cuda()`, `Tensor.pin_memory()`, `Tensor.record_stream()` -> CPU / dropped /
-   identity, via a TorchFunctionMode (one place instead of patching every call site).
+   identity, by wrapping the torch factories that take a device and those Tensor methods (a
+   TorchFunctionMode would be one place, but it taxes every torch call: it made the CPU demo's
+   update several times slower). megatron reaches them as `torch.X` / tensor attributes.
    `Tensor.type()` reports the CUDA type name (`torch.cuda.FloatTensor`) because the
    optimizer rejects parameters whose type string is not a CUDA one; the tensor is unchanged.
 5. `moe_utils.te_general_gemm` is referenced but only defined when Transformer Engine
@@ -34,24 +35,21 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
 6. The alltoall MoE dispatcher asks `maybe_move_tensor_to_cpu(..., as_numpy=True)` for split
    sizes, but the helper only converts CUDA tensors -> also convert CPU tensors to numpy when
    asked, which is what the caller expects on GPU.
-7. Activation recompute re-runs the attention core inside backward, where the device rewrite of
-   4. is not active (`Tensor.backward` dispatches through the mode, which is off while it
-   handles a call) -> the causal-mask helper of megatron's unfused softmax builds its mask on
-   the CPU directly. Same mask, same device as without recompute.
+7. The causal-mask helper of megatron's unfused softmax (also re-run inside backward by activation
+   recompute) builds its mask on the CPU directly. Same mask, same device as without recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
 _installed = False
-_mode: "CudaToCpuMode | None" = None
 
 
 def is_installed() -> bool:
@@ -69,8 +67,8 @@ def preload() -> None:
 def install() -> bool:
     """Apply the CPU compatibility patches (no-op when CUDA is available).
 
-    Returns True when the patches are active. Safe to call any number of times; call it
-    again in a new thread that builds megatron modules (the device mode is per thread).
+    Returns True when the patches are active. Safe to call any number of times; the patches are
+    process-wide (every thread, the autograd engine's included).
     """
     global _installed
     if torch.cuda.is_available():
@@ -79,9 +77,9 @@ def install() -> bool:
         _patch_current_device()
         _patch_cuda_rng()
         _patch_streams()
+        _patch_placement()
         _patch_megatron()
         _installed = True
-    _push_mode_on_this_thread()
     return True
 
 
@@ -223,52 +221,59 @@ def _cuda_type_name(name: str) -> str:
     return name
 
 
-_IDENTITY_METHODS = (torch.Tensor.cuda, torch.Tensor.pin_memory)
+# Every torch factory that takes `device=` (and `pin_memory=`), and the Tensor methods that place.
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "range", "tensor", "as_tensor", "asarray",
+              "rand", "randn", "randint", "randperm", "eye", "linspace", "logspace",
+              "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+              "randn_like", "randint_like", "scalar_tensor", "tril_indices", "triu_indices")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placement requests to CPU for every torch call on this thread."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _IDENTITY_METHODS:
-            return args[0]
-        if func is torch.Tensor.record_stream:
-            return None
-        if func is torch.Tensor.type:
-            return self._type(args, kwargs)
+def _placed_on_cpu(factory: Callable) -> Callable:
+    @functools.wraps(factory)
+    def call(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], _cpu_if_cuda(args[1])) + tuple(args[2:])
-        return func(*args, **kwargs)
+        return factory(*args, **kwargs)
+    return call
 
-    @staticmethod
-    def _type(args: tuple, kwargs: dict) -> Any:
-        if len(args) == 1 and not kwargs.get("dtype"):
-            return _cuda_type_name(torch.Tensor.type(args[0]))
-        if len(args) > 1:
-            args = (args[0], _cpu_type_name(args[1])) + tuple(args[2:])
+
+def _patch_placement() -> None:
+    # Module and class attributes, not a TorchFunctionMode: a mode sees every torch call (tens of
+    # thousands per update of the tiny model, 7-9 us each on these CPUs, most of an update's
+    # time), where only factories and Tensor.to/.cuda/.type ever carry a CUDA placement.
+    # megatron reaches all of them through the `torch.` / tensor attribute at call time.
+    for name in _FACTORIES:
+        setattr(torch, name, _placed_on_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _placed_on_cpu(getattr(torch.Tensor, name)))
+    to, type_ = torch.Tensor.to, torch.Tensor.type
+
+    @functools.wraps(to)
+    def to_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (_cpu_if_cuda(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        return to(self, *args, **kwargs)
+
+    @functools.wraps(type_)
+    def cuda_type(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if dtype is None and "dtype" not in kwargs:
+            return _cuda_type_name(type_(self))
         if "dtype" in kwargs:
             kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
-        return torch.Tensor.type(*args, **kwargs)
+        else:
+            kwargs["dtype"] = _cpu_type_name(dtype)
+        return type_(self, *args, **kwargs)
 
-
-def _mode_is_active(mode: TorchFunctionMode) -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(m is mode for m in _get_current_function_mode_stack())
-
-
-def _push_mode_on_this_thread() -> None:
-    global _mode
-    if _mode is None:
-        _mode = CudaToCpuMode()
-    if not _mode_is_active(_mode):
-        # Entered for the rest of the thread's life: megatron allocates lazily at any time.
-        _mode.__enter__()
+    torch.Tensor.to = to_cpu
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.Tensor.record_stream = lambda self, stream: None
 
 
 # ---------------------------------------------------------------- 5./6. megatron bugs

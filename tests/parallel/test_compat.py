@@ -98,12 +98,19 @@ def test_install_is_noop_in_parent_and_idempotent_in_rank(dist_run):
     assert not compat.is_installed()  # the harness patches ranks, never the pytest process
 
     def worker(rank, world_size):
+        import threading
+
         first = compat.is_installed()
         assert compat.install() and compat.install()
-        stack = torch.overrides._get_current_function_mode_stack()
-        return first, compat.is_installed(), sum(isinstance(m, compat.CudaToCpuMode) for m in stack)
+        zeros = torch.zeros  # installed once: a second install() does not wrap the wrapper
+        assert compat.install() and torch.zeros is zeros
+        placed = []  # process-wide: a thread started later places on the CPU too
+        thread = threading.Thread(target=lambda: placed.append(torch.ones(1, device="cuda")))
+        thread.start()
+        thread.join()
+        return first, compat.is_installed(), placed[0].device.type
 
-    assert dist_run(worker, 1) == [(True, True, 1)]
+    assert dist_run(worker, 1) == [(True, True, "cpu")]
 
 
 def test_cuda_calls_map_to_cpu(dist_run):
