@@ -78,6 +78,7 @@ class PolicyLossSpec:
     temperature: float = 1.0
     step: int = 0                              # optimizer step (SIS draws)
     chunk_tokens: Optional[int] = None         # vocab-parallel chunking (None: automatic)
+    record: Optional[str] = None               # micro-batch field for the pass's detached log-probs
 
 
 @dataclass
@@ -140,6 +141,8 @@ def policy_loss_func(spec: PolicyLossSpec, mb: MicroBatch, logits: Tensor):
     lp = action_logprobs(mb, logits, spec.groups, spec.temperature,
                          need_entropy=cfg.entropy_coef != 0, need_topk=cfg.needs_topk,
                          chunk_tokens=spec.chunk_tokens)
+    if spec.record:  # the live weights' log-probs, as fill_logprobs writes them, without a pass
+        write_field(mb, spec.record, lp.logp.detach())
     batch = token_batch(mb, lp.logp, topk_logp=lp.topk_logp, entropy=lp.entropy, step=spec.step)
     out = shard_policy_loss(cfg, batch, shard_context(spec, mb, batch))
     n = batch.num_tokens
@@ -298,6 +301,15 @@ def forward_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[Micr
     return out
 
 
+def write_field(mb: MicroBatch, name: str, logp: Tensor) -> None:
+    """The local action tokens' log-probs `logp` into the micro-batch's per-token field `name`."""
+    buf = mb.fields.get(name)
+    if buf is None:
+        buf = mb.fields[name] = torch.zeros(mb.loss_mask.shape, dtype=torch.float32,
+                                            device=logp.device)
+    buf[mb.loss_mask] = logp.to(buf.dtype)
+
+
 def fill_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBatch], name: str,
                   temperature: float = 1.0) -> None:
     """Log-probs of every local action token under `model` (no grad) written into each
@@ -305,12 +317,7 @@ def fill_logprobs(groups: ParallelGroups, model, micro_batches: Sequence[MicroBa
     log-probs for the same shards the training pass then uses. Only the last pipeline stage
     computes (and needs) them."""
     def loss_func(mb: MicroBatch, logits: Tensor):
-        lp = action_logprobs(mb, logits, groups, temperature).logp
-        buf = mb.fields.get(name)
-        if buf is None:
-            buf = mb.fields[name] = torch.zeros(mb.loss_mask.shape, dtype=torch.float32,
-                                                device=lp.device)
-        buf[mb.loss_mask] = lp.to(buf.dtype)
+        write_field(mb, name, action_logprobs(mb, logits, groups, temperature).logp)
         return logits.new_zeros(()), _count(0, logits), None
 
     with torch.no_grad():

@@ -117,9 +117,12 @@ class Learner:
     def _weights(self, snapshot: Optional[str]):
         return contextlib.nullcontext() if snapshot is None else self.snapshots.swapped_in(snapshot)
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], step: int) -> tuple[dict[str, float], bool]:
+    def train_step(self, micro_batches: Sequence[MicroBatch], step: int,
+                   record: Optional[str] = None) -> tuple[dict[str, float], bool]:
         """One optimizer update on this rank's micro-batches (`pack`); returns (metrics,
-        applied). A non-finite loss skips the update (gradients dropped), applied=False."""
+        applied). A non-finite loss skips the update (gradients dropped), applied=False.
+        `record`: a micro-batch field that receives the training pass's detached log-probs (the
+        weights before this update), as `fill_logprobs` would write them."""
         obj = self.cfg.objective
         mbs = micro_batches
         zero_grads(self.model, self.optimizer)
@@ -129,7 +132,7 @@ class Learner:
             stats = ML.run_prepass(obj, self.groups, self.model, mbs, stats, self.temperature, step)
         self.forward_passes += 1
         spec = ML.PolicyLossSpec(cfg=obj, groups=self.groups, stats=stats,
-                                 temperature=self.temperature, step=step)
+                                 temperature=self.temperature, step=step, record=record)
         reports = ML.forward_backward(spec, self.model, mbs)
         metrics = self._from_last_stage(ML.reduce_reports(reports, self.groups)
                                         if self.groups.is_last_pp_stage else {})

@@ -44,6 +44,8 @@ from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
 from megapkl.train.timers import Timers
 
+LIVE = "logp_live"  # micro-batch field: the live weights' log-probs, for the mismatch metrics
+
 
 class RunStopped(TrainingError):
     """Some rank failed during an update: the run saved its finished updates and stopped."""
@@ -136,8 +138,13 @@ class Trainer:
             with self.timers("reference"):
                 micro_batches = self.learner.pack(minibatch)  # once: reference passes, training
                 exact = self.reference_forwards(micro_batches, minibatch, plan)
-            with self.timers("train"):
-                metrics, applied = self.learner.train_step(micro_batches, step=u)
+            with self.timers("train"):  # exact None: measured on the training pass's log-probs
+                metrics, applied = self.learner.train_step(
+                    micro_batches, step=u, record=None if exact is not None else LIVE)
+            if exact is None:
+                with self.timers("reference"):
+                    exact = mismatch.exact_version_metrics(self.learner, minibatch, micro_batches,
+                                                           plan.update, field=LIVE)
             self.count(u, metrics, applied)  # a non-finite loss skips; too many in a row stop
             metrics.update(exact, **pending, **self.rollout_metrics(plan, minibatch))
             with self.stop_on_failure(u + 1, row=metrics):
@@ -174,10 +181,14 @@ class Trainer:
             for s in self.loop.batch:
                 s.logp_prox = logp[s.uid]
 
-    def reference_forwards(self, micro_batches: list, minibatch: list, plan) -> dict[str, float]:
+    def reference_forwards(self, micro_batches: list, minibatch: list, plan
+                           ) -> Optional[dict[str, float]]:
         """Proximal (snapshot mode) and initial-model log-probs into the micro-batches, with one
         forward pass per distinct weights; the live weights' pass (or the per-batch reference of
-        the batch's first minibatch) also gives the mismatch metrics, without a pass of its own."""
+        the batch's first minibatch) also gives the mismatch metrics, without a pass of its own.
+        Without such a pass: None, the mismatch metrics are then taken from the training pass
+        (the same weights and tokens), except under routing replay, whose mismatch compares the
+        routers' own choices, which only a pass of its own records."""
         wants: dict[str, Optional[str]] = {}  # micro-batch field -> weights (None: the live ones)
         if self.cfg.reference.mode == "snapshot":
             wants["logp_prox"] = None if plan.reference_version == plan.update else "reference"
@@ -196,6 +207,8 @@ class Trainer:
                     mb.fields[name] = mb.fields[first].clone()
             if weights is None:
                 live, own = first, got
+        if live is None and not record:
+            return None
         return mismatch.exact_version_metrics(self.learner, minibatch, micro_batches, plan.update,
                                               field=live, own=own)
 

@@ -35,6 +35,11 @@ def _run(dist_run, tmp_path, name, *overrides):
     ("per_batch", ["rollout.protocol=controlled_staleness", "rollout.max_staleness=1",
                    "rollout.minibatches_per_batch=2", "reference.mode=per_batch",
                    "rollout.refresh_every=null", "rollout.prompts_per_batch=8"], [2, 1, 2]),
+    # on-policy under a reference snapshot 32 updates old (GRPO's L): after update 0 the
+    # proximal pass is the snapshot's; the mismatch metrics of the fresh samples come from the
+    # training pass, the same weights and tokens (no third pass)
+    ("on_policy", ["rollout.protocol=on_policy", "rollout.refresh_every=1",
+                   "reference.refresh_every=32"], [2, 2, 2]),
 ])
 def test_forward_passes_per_update(dist_run, tmp_path, name, overrides, forwards):
     rows = _run(dist_run, tmp_path, name, *overrides)
