@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from job_inputs import job_inputs
 
 from megapkl.cli import EXIT_CONFIG, main
 from megapkl.config import configs_dir, load_config, loads_config
@@ -40,10 +41,12 @@ def test_config_show_bad_override_exit_2(capsys):
     assert err.startswith("megapkl: error: <override>: rollout.top_p: must be <= 1.0")
 
 
-def test_config_validate(capsys, tmp_path):
+def test_config_validate(capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: {train_path: x.jsonl}\nrollout: {protocol: uniform_stale}\n")
-    weights = f"model.hf_checkpoint={tmp_path}"  # a local directory: validate checks it
+    # validate checks the checkpoint and the prompt files the config names from here
+    weights = job_inputs(tmp_path, "dapo_math_17k.jsonl")[0]
+    monkeypatch.chdir(tmp_path)
     assert main(["config", "validate", GRPO, DEMO, weights]) == 0
     assert capsys.readouterr().out.count("ok: ") == 2
     assert main(["config", "validate", GRPO, str(bad), weights]) == EXIT_CONFIG
@@ -119,8 +122,9 @@ def test_model_layout_rules_from_the_model_yaml(capsys):
     assert "num_attention_heads = 6" in _one_error_line(capsys.readouterr().err)
 
 
-def test_config_validate_takes_dotted_overrides_positionally(capsys, tmp_path):
-    weights = f"model.hf_checkpoint={tmp_path}"
+def test_config_validate_takes_dotted_overrides_positionally(capsys, tmp_path, monkeypatch):
+    weights = job_inputs(tmp_path, "dapo_math_17k.jsonl")[0]
+    monkeypatch.chdir(tmp_path)
     assert main(["config", "validate", GRPO, weights, "objective.name=tetpo"]) == 0
     assert "ok: " in capsys.readouterr().out
     assert main(["config", "validate", GRPO, DEMO, weights, "objective.name=tetpo",

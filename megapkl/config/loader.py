@@ -50,8 +50,9 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), *,
                 workdir: str | os.PathLike | None = None, tokenizes: bool = True) -> RunConfig:
     """Read, layer, override, validate and resolve the run config at `path`. With `workdir` (the
     directory the run starts in), the files it reads from that machine must exist as well
-    (`config validate`, `plan`, `submit` and `train` ask; `config show` does not); `tokenizes`
-    false: the tokenizer is not needed (`plan` reads no data)."""
+    (`config validate`, `plan`, `submit` and `train` ask; `config show` does not; see
+    `megapkl.config.local_files`); `tokenizes` false (`plan`, which reads nothing yet): no
+    tokenizer, weights or prompt files are needed, the prompt files already there must parse."""
     top = _display(Path(path))
     merged, prov = merged_mapping(path, overrides)
     return _build(merged, prov, top, workdir, tokenizes)
@@ -78,6 +79,13 @@ def merged_mapping(path: str | os.PathLike, overrides: Iterable[str] = ()
     """The raw merged mapping before validation, and where each dotted key came from."""
     layers = _linearize_file(Path(path), [], set(), referrer=None)
     return _merge_all(layers, overrides)
+
+
+def locate(exc: ConfigError, path: str | os.PathLike, overrides: Iterable[str] = ()
+           ) -> ConfigError:
+    """`exc` (a rule checked after loading, e.g. by the launcher) attributed to the file and line
+    of `path` + `overrides` that set its key, as the loader's own errors are."""
+    return _attribute(exc, merged_mapping(path, overrides)[1], _display(Path(path)))
 
 
 def dump_config(cfg: RunConfig) -> str:

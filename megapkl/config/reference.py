@@ -37,6 +37,21 @@ checks a file, `megapkl config show FILE` prints it resolved. **default** is the
 the shipped presets change many (`configs/base/default.yaml` sets the Proximal KL paper's values,
 the protocol and objective presets theirs), and a run's resolved `config.yaml` shows every value it
 used. "unset" (null) defaults are filled when the config is resolved, as the key's text says.
+
+`config validate`, `plan`, `submit`, `sweep` and `train` also check the files the job will read,
+relative paths taken from the directory it starts in (megapkl never downloads them):
+`model.hf_checkpoint` must hold `config.json` and safetensors weights (`*.safetensors` or
+`model.safetensors.index.json`); `model.tokenizer`, or the checkpoint when it tokenizes
+`data.train_path`, must hold `tokenizer.json` or `tokenizer_config.json`; `data.train_path` and,
+when evaluation runs (`eval.every` or `eval.at_start`), each benchmark's file (its `path`, else
+`<eval.data_dir>/<name>.jsonl`; a synthetic task needs none) must exist, every JSON line an object
+with the prompt and answer fields the prompt reader requires (a bad one is refused as
+`FILE:LINE: why`; Parquet files are only looked for). `plan` sizes the job from the model preset:
+it needs no weights and checks only the prompt files already there. On a profile with a
+`container:`, `submit` also refuses any of these paths, the run and checkpoint directories or the
+submit directory itself when it lies outside the container's mounts (only the listed mounts count:
+megapkl mounts nothing by itself, and a runtime's own default binds, such as Apptainer's $HOME,
+may be off on a cluster). Each refusal is one line naming the file and line that set the key.
 """
 
 

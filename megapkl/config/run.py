@@ -8,12 +8,11 @@ and reloading it gives an equal object.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from megapkl.config.local_files import check_local_files  # noqa: F401 - re-exported
 from megapkl.config.model_layout import check_model_layout, check_token_budget
 from megapkl.config.objective import ObjectiveConfig
 from megapkl.config.sections import (AdvantageConfig, ModelConfig, ParallelConfig, ReferenceConfig,
@@ -250,40 +249,6 @@ def _check_dtype(cfg: RunConfig, err) -> None:
     problem = cfg.model.dtype == "bf16" and bf16_constraint_error(cfg.slurm.constraint)
     if problem:
         err(problem, "model.dtype", "slurm.constraint")
-
-
-def check_local_files(cfg: RunConfig, workdir: "str | os.PathLike", err, *,
-                      tokenizes: bool = True) -> None:
-    """The files a run reads from the machine it starts on, checked before it is submitted:
-    weights are never downloaded at run time, so model.hf_checkpoint (and model.tokenizer) must be
-    directories there, relative paths taken from `workdir` (the directory the job starts in).
-    `tokenizes` false (`megapkl plan`, which sizes the job from the model preset's shape): a
-    training file needs no tokenizer yet."""
-    for key in ("hf_checkpoint", "tokenizer"):
-        value = getattr(cfg.model, key)
-        if value is None or _is_dir(value, workdir):
-            continue
-        what = "Hugging Face checkpoint" if key == "hf_checkpoint" else "tokenizer"
-        instead = "a random init" if key == "hf_checkpoint" else "model.hf_checkpoint's tokenizer"
-        if "/" in value and not value.startswith(("/", ".", "~")) and value.count("/") == 1:
-            local = f"/models/{value.split('/')[1]}"
-            err(f"'{value}' is not a directory here but a Hugging Face Hub id, and megapkl never "
-                f"downloads weights at run time: `hf download {value} --local-dir {local}` onto "
-                f"a filesystem every node sees, then set model.{key}={local} (or model.{key}: "
-                f"null for {instead})", f"model.{key}")
-        where = "" if Path(value).expanduser().is_absolute() else f" (from {Path(workdir).resolve()})"
-        err(f"'{value}' is not a directory here{where}: megapkl never downloads weights at run "
-            f"time; copy the {what} there, onto a filesystem every node sees (or set "
-            f"model.{key}: null for {instead})", f"model.{key}")
-    if tokenizes and cfg.data.train_path and not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
-        err(f"'{cfg.data.train_path}' is tokenized with the model's tokenizer: set "
-            "model.hf_checkpoint or model.tokenizer to a local directory", "data.train_path",
-            "model.hf_checkpoint")
-
-
-def _is_dir(path: str, workdir: "str | os.PathLike") -> bool:
-    p = Path(path).expanduser()
-    return (p if p.is_absolute() else Path(workdir) / p).is_dir()
 
 
 _RULES = (_check_world, _check_moe, _check_layers, _check_batch, _check_advantage,

@@ -60,6 +60,15 @@ def absolute_paths(cfg: Any, base: str | os.PathLike) -> Any:
                                checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir))
 
 
+def config_error(prep: PreparedRun, message: str, key: str, *related: str) -> ConfigError:
+    """A launcher rule's refusal of `key`, naming the file and line that set it (or a related
+    key), as the config's own rules name them."""
+    from megapkl.config.loader import locate
+
+    return locate(ConfigError(message, key=key, source=prep.config_path, related=related),
+                  prep.config_path, prep.overrides)
+
+
 def load_resolved(path: str | os.PathLike, *, resume: bool = False) -> Any:
     """Reload the resolved config a launcher wrote (in the job). `resume` sets
     checkpoint.resume when it was false (a requeued job continues from the latest checkpoint)."""
@@ -71,4 +80,5 @@ def load_resolved(path: str | os.PathLike, *, resume: bool = False) -> Any:
     return cfg
 
 
-__all__ = ["ConfigError", "PreparedRun", "absolute_paths", "prepare_run", "load_resolved"]
+__all__ = ["ConfigError", "PreparedRun", "absolute_paths", "config_error", "prepare_run",
+           "load_resolved"]

@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from megapkl.errors import MegapklError
+from megapkl.config.local_files import job_paths
 from megapkl.config.typed import ConfigError
 from megapkl.launch.job import DEFAULT_ENTRY, LaunchSpec, MegapklJob, check_entry_importable
 from megapkl.launch.profile import ClusterProfile, load_profile
-from megapkl.launch.runconfig import PreparedRun, prepare_run
+from megapkl.launch.runconfig import PreparedRun, config_error, prepare_run
 
 IfExists = Literal["error", "resume", "overwrite"]
 # Run config `slurm:` keys -> profile keys (`extra` holds extra sbatch flags).
@@ -316,6 +317,39 @@ def check_container(cfg: Any, prof: ClusterProfile, source: str) -> None:
                           "without a container", key="rollout.sglang.colocate", source=source)
 
 
+def container_paths(prof: ClusterProfile) -> list[Path]:
+    """Where the container's mounts ('host[:container[:flags]]') appear inside it: the only
+    host paths a task sees (megapkl mounts nothing by itself)."""
+    out = []
+    for m in prof.container.mounts if prof.container is not None else ():
+        host, _, rest = m.partition(":")
+        out.append(Path(rest.partition(":")[0] or host))
+    return out
+
+
+def check_mounts(prep: PreparedRun, prof: ClusterProfile, cwd: Path) -> None:
+    """Every path the job reads or writes, and the submit directory every task starts in, must
+    be under one of the container's mounts: the host checks of `config validate` passed, but a
+    task in the image sees nothing else. Relative paths are taken from the submit directory."""
+    if prof.container is None:
+        return
+    inside = container_paths(prof)
+    seen = f"profile {prof.name} runs the job in a container that sees only its mounts " \
+           f"({', '.join(prof.container.mounts) or 'none'}, {prof.source})"
+
+    def visible(path: str) -> bool:
+        full = Path(os.path.normpath(cwd / Path(path).expanduser()))
+        return any(full == m or m in full.parents for m in inside)
+
+    if not visible(str(cwd)):
+        raise LaunchError(f"the submit directory {cwd} is not visible to the job: {seen}; submit "
+                          "from under one of them or add a mount to the profile")
+    for key, path in job_paths(prep.cfg):
+        if not visible(path):
+            raise config_error(prep, f"'{path}' is not visible to the job: {seen}; move it under "
+                                     "one of them or add a mount to the profile", key)
+
+
 def check_fit(cfg: Any, prof: ClusterProfile) -> None:
     """LaunchError with the planner's table when the run cannot fit the profile's GPUs."""
     if not prof.uses_gpus:
@@ -350,6 +384,7 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
 
     check_fleet(prep.cfg, prep.config_path)  # the servers must fit the job, --force or not
     check_container(prep.cfg, prof, prep.config_path)
+    check_mounts(prep, prof, cwd)
     if not force:
         check_fit(prep.cfg, prof)
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from job_inputs import job_inputs, visible_profile
 
 from megapkl.config import load_config
+from megapkl.launch.profile import load_profile
 from megapkl.launch.submit import submit
 
 from .conftest import TOY
@@ -62,9 +64,11 @@ def test_the_1p7b_pkl_run_starts_one_server_per_gpu() -> None:
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_experiments_dry_run_on_gpu_profiles(profile: str, tmp_path: Path) -> None:
+    inputs = job_inputs(tmp_path)  # h200's container also mounts tmp_path: the job sees them
+    prof = visible_profile(profile, tmp_path) if load_profile(profile).container else profile
     for path in RUNS:
-        sub = submit(path, profile, [f"run_dir={tmp_path}/{path.stem}",
-                                     f"model.hf_checkpoint={tmp_path}"], entry=TOY, dry_run=True)
+        sub = submit(path, prof, [f"run_dir={tmp_path}/{path.stem}", *inputs], entry=TOY,
+                     dry_run=True)
         cfg = load_config(path)
         assert f"#SBATCH --nodes={cfg.slurm.nodes}" in sub.script
         assert "#SBATCH --gpus-per-node=8" in sub.script and "#SBATCH --ntasks-per-node=8" in sub.script

@@ -2,6 +2,7 @@
 models on CPU at several layouts; every paper experiment fits its profile; submit refuses a run
 that cannot fit (unless --force) with the planner's table in the message."""
 import pytest
+from job_inputs import job_inputs
 
 from megapkl.cli import main
 from megapkl.config import configs_dir, load_config
@@ -59,14 +60,14 @@ def test_every_experiment_fits_its_profile(path, tmp_path):
 
 def test_plan_cli_and_submit_refuses_a_run_that_cannot_fit(capsys, tmp_path):
     cfg = "configs/experiments/pkl_periodic/qwen3_32b_pkl.yaml"
-    weights = f"model.hf_checkpoint={tmp_path}"
-    assert main(["plan", cfg, weights, "--profile", "h100"]) == 0
+    inputs = job_inputs(tmp_path)  # what submit checks the job can read
+    assert main(["plan", cfg, *inputs, "--profile", "h100"]) == 0
     out = capsys.readouterr().out
     assert "-> fits" in out and "model FLOPs per update" in out
     # no tensor/pipeline parallelism: 32B on one GPU's worth of layout cannot fit 80 GB
     big = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
            "parallel.sequence_parallel=false", "rollout.sglang.tp=1",
-           "rollout.sglang.num_engines=1", f"run_dir={tmp_path / 'r'}", weights]
+           "rollout.sglang.num_engines=1", f"run_dir={tmp_path / 'r'}", *inputs]
     assert main(["plan", cfg, *big, "--profile", "h100"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["submit", cfg, *big, "--profile", "h100", "--dry-run"]) == 1
@@ -125,9 +126,9 @@ def test_plan_and_submit_check_the_sglang_fleet_against_the_job(capsys, tmp_path
     """num_engines servers per data-parallel replica must fit the replica's GPUs: a one-line
     error naming the keys, from `megapkl plan` and from `megapkl submit` (--force or not)."""
     cfg = "configs/experiments/pkl_periodic/qwen3_1p7b_pkl.yaml"
-    weights = f"model.hf_checkpoint={tmp_path}"
-    bad = ["rollout.sglang.num_engines=8", f"run_dir={tmp_path / 'r'}", weights]
-    assert main(["plan", cfg, weights, "--profile", "h100"]) == 0
+    inputs = job_inputs(tmp_path)  # what submit checks the job can read
+    bad = ["rollout.sglang.num_engines=8", f"run_dir={tmp_path / 'r'}", *inputs]
+    assert main(["plan", cfg, *inputs, "--profile", "h100"]) == 0
     assert "= 8 servers on 8 GPUs" in capsys.readouterr().out
     for argv in (["plan", cfg, *bad, "--profile", "h100"],
                  ["submit", cfg, *bad, "--profile", "h100", "--dry-run", "--force"]):
@@ -144,7 +145,7 @@ def test_dedicated_sglang_gpus_shape_the_job(tmp_path):
 
     sub = submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h100",
                  ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 'r'}",
-                  f"model.hf_checkpoint={tmp_path}"],
+                  *job_inputs(tmp_path)],
                  entry="megapkl.launch.toy:run", dry_run=True, force=True)
     assert "#SBATCH --gpus-per-node=8" in sub.script
     assert "#SBATCH --ntasks-per-node=4" in sub.script
@@ -161,14 +162,15 @@ def test_a_sweep_of_dedicated_sglang_gpus_is_shaped_like_its_runs(tmp_path):
     from megapkl.launch.sweep import sweep
 
     cfg = "configs/experiments/tetpo/qwen3_1p7b_grpo.yaml"
-    base = ["rollout.sglang.colocate=false", f"model.hf_checkpoint={tmp_path}"]
+    inputs = job_inputs(tmp_path)
+    base = ["rollout.sglang.colocate=false", *inputs]
     sub = sweep(cfg, "h100", ["seed=0,1"], [*base, f"run_dir={tmp_path / 'a'}"],
                 entry="megapkl.launch.toy:run", dry_run=True)
     assert "#SBATCH --gpus-per-node=8" in sub.script
     assert "#SBATCH --ntasks-per-node=4" in sub.script, sub.script
     with pytest.raises(ConfigError, match="different tasks per node") as info:
         sweep(cfg, "h100", ["rollout.sglang.colocate=false,true"],
-              [f"model.hf_checkpoint={tmp_path}", f"run_dir={tmp_path / 'b'}"],
+              [*inputs, f"run_dir={tmp_path / 'b'}"],
               entry="megapkl.launch.toy:run", dry_run=True)
     assert info.value.key == "--grid"
 

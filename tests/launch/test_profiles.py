@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from job_inputs import job_inputs, visible_profile
 
 from megapkl.config import ConfigError
 from megapkl.launch.profile import (ClusterProfile, list_profiles, load_profile, loads_profile,
@@ -302,8 +303,9 @@ def test_the_container_profile_runs_the_pinned_stack() -> None:
 def test_jobs_requeue_from_the_host(tmp_path: Path) -> None:
     """The batch script exports the request folder, ends every task when one fails, and requeues
     from the host after srun; a task asks for it without any Slurm client."""
-    sub = submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",
-                 [f"run_dir={tmp_path / 'r'}", f"model.hf_checkpoint={tmp_path}"], entry=TOY,
+    h200 = visible_profile("h200", tmp_path)  # its container also sees what the test lays out
+    sub = submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", h200,
+                 [f"run_dir={tmp_path / 'r'}", *job_inputs(tmp_path)], entry=TOY,
                  dry_run=True, force=True)
     script = sub.script
     folder = str(tmp_path / "r" / "submitit")
@@ -321,14 +323,13 @@ def test_jobs_requeue_from_the_host(tmp_path: Path) -> None:
 
 
 def test_dedicated_servers_on_several_nodes_need_a_slurm_client(tmp_path: Path) -> None:
+    h200, inputs = visible_profile("h200", tmp_path), job_inputs(tmp_path)
     with pytest.raises(ConfigError, match="rollout.sglang.colocate: false starts the SGLang"):
-        submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",
+        submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", h200,
                ["rollout.sglang.colocate=false", "slurm.nodes=2", f"run_dir={tmp_path / 'r'}",
-                f"model.hf_checkpoint={tmp_path}"],
-               entry=TOY, dry_run=True, force=True)
-    submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", "h200",  # one node: no srun needed
-           ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 's'}",
-            f"model.hf_checkpoint={tmp_path}"], entry=TOY,
+                *inputs], entry=TOY, dry_run=True, force=True)
+    submit("configs/experiments/tetpo/qwen3_1p7b_grpo.yaml", h200,  # one node: no srun needed
+           ["rollout.sglang.colocate=false", f"run_dir={tmp_path / 's'}", *inputs], entry=TOY,
            dry_run=True, force=True)
 
 
