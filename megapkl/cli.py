@@ -7,6 +7,7 @@
                                                  train (validates the config first)
     megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
     megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
+    megapkl smoke CONFIG [KEY=VALUE ...]         the config end to end on a tiny twin of its model
     megapkl compare CONFIG --methods A,B --seeds N   methods x seeds, intervals and a report
 
 KEY=VALUE overrides may come anywhere on a command's line. A bad config is one line on stderr naming the file, line and dotted key, and exit code 2. Imports
@@ -149,6 +150,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_smoke(args: argparse.Namespace) -> int:
+    """The run config on a tiny twin of its model, end to end on this machine (docs/experiments.md)."""
+    from megapkl.launch.smoke import format_report, smoke
+
+    report = smoke(args.config, args.overrides, out_dir=args.out, steps=args.steps, command=main)
+    print(format_report(report))
+    return 0 if report.ok else EXIT_ERROR
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """The embedded engine behind SGLang's HTTP API (its own options: `megapkl serve --help`)."""
     from megapkl.serve.serve import main as serve_main
@@ -225,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--ema", type=float, default=None,
                       help="EMA alpha (default: the first run's logging.ema_alpha, else 0.1)")
     plot.set_defaults(func=cmd_plot)
+
+    smoke = sub.add_parser("smoke", help="the run config end to end on a tiny twin of its model, "
+                           "on this machine: train, eval, plot (before submitting it)")
+    smoke.add_argument("config", help="run config YAML")
+    smoke.add_argument("--out", default=None, help="smoke directory (default: runs/smoke/<name>)")
+    smoke.add_argument("--steps", type=int, default=4, help="updates to run (default 4)")
+    add_overrides(smoke)
+    smoke.set_defaults(func=cmd_smoke)
 
     from megapkl.analysis.diagnose import add_subcommand as add_diagnose  # diagnose ...
 

@@ -38,6 +38,10 @@ HUB = "needs the Hugging Face Hub (no network here); the same conversion runs wi
 
 # Every megapkl command of docs/experiments.md: the test that runs it, or why it cannot run here.
 COVERAGE = {
+    "megapkl smoke configs/experiments/sis_math/qwen3_30b_a3b_dapo_sis_r3.yaml":
+        "tests/launch/test_smoke.py::test_smoke_sglang_moe_with_routing_replay",
+    "megapkl smoke configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml rollout.engine=embedded":
+        "tests/launch/test_smoke.py::test_smoke_embedded_dense",
     "megapkl data list": "test_prepare_data",
     "megapkl data prepare dapo_math_17k --out data": "test_prepare_data",
     "megapkl data prepare simplelr_qwen_level3to5 --out data": "test_prepare_data",
