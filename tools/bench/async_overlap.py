@@ -39,6 +39,10 @@ PROTOCOLS = {
                       "reference.refresh_every=4"],
 }
 GENERATION = ("sync", "generate", "reward")
+# Below Linux's ephemeral range (32768-60999), where megapkl warns that an outgoing connection can
+# take a server's port before it binds (warn_if_ephemeral: routers sit at base + 1000), and clear
+# of the default base_port 30000 that a run of the same host may hold.
+BASE_PORT = 31500
 
 
 def base(run_dir: Path, steps: int, pin: bool, model: str) -> list[str]:
@@ -50,7 +54,7 @@ def base(run_dir: Path, steps: int, pin: bool, model: str) -> list[str]:
             "parallel.data=1", "parallel.micro_batch_size=32", f"train.steps={steps}",
             "rollout.engine=sglang", "rollout.sglang.colocate=false",
             "rollout.sglang.use_router=false", f"rollout.sglang.server_command={json.dumps(serve)}",
-            "rollout.sglang.base_port=36900", "rollout.sglang.startup_timeout_s=300",
+            f"rollout.sglang.base_port={BASE_PORT}", "rollout.sglang.startup_timeout_s=300",
             "rollout.prompts_per_batch=16", "rollout.responses_per_prompt=8",
             "rollout.max_response_len=12", "logging.progress_bar=false",
             "logging.tensorboard=false", "checkpoint.every=0", "checkpoint.export_hf=false",

@@ -5,16 +5,21 @@ disk), side by side with a plain memory copy of the same bytes, in one run; then
 started with `--quantization fp8`).
 
 Prints per mode: seconds per sync (the whole pause -> buckets -> version -> continue sequence,
-the server's loading included), GB/s of the BF16 export, and the ratio to the memory copy. The worker's reported
-version is checked after every sync. `--shape tiny` runs the same on the tiny model in seconds.
+the server's loading included) as the median and range of `--repeats` timed passes, GB/s of the
+BF16 export at the median, and the ratio of medians to the memory copy. Every measurement starts
+with one untimed pass: it faults the destination pages in (memory copy) and sets up what the first
+sync builds (shared memory, the process group, the files), so the timed passes measure the
+steady state, not the setup; the range says how much the host's other load moved them. The
+worker's reported version is checked after every sync (outside the timing). `--shape tiny` runs the same on the tiny model in seconds.
 
-    python tools/bench/weight_sync.py [--shape qwen3-0.6b|tiny] [--bucket-mb 512] [--repeats 1]
+    python tools/bench/weight_sync.py [--shape qwen3-0.6b|tiny] [--bucket-mb 512] [--repeats 5]
                                       [--fp8 both|off|on]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,15 +77,40 @@ def trainer_weights(spec: str) -> list[tuple[str, torch.Tensor]]:
             for n, p in model.state_dict().items()]
 
 
-def memcpy_seconds(weights, repeats: int) -> float:
-    dst = [torch.empty_like(t) for _, t in weights]
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass faults the destination pages in
+def timed(fn, repeats: int, check=None) -> list[float]:
+    """Seconds of `repeats` calls of `fn`, after one untimed warm-up call; `check` runs untimed
+    after every call."""
+    out = []
+    for i in range(repeats + 1):
         t0 = time.perf_counter()
+        fn()
+        if i:
+            out.append(time.perf_counter() - t0)
+        if check is not None:
+            check()
+    return out
+
+
+def row(what: str, seconds: list[float], nbytes: int, base: float) -> dict:
+    """Median and range of `seconds`; GB/s and the ratio to the memory copy from the median."""
+    med = statistics.median(seconds)
+    return {"what": what, "median_s": _sig(med), "min_s": _sig(min(seconds)),
+            "max_s": _sig(max(seconds)), "GB/s": _sig(nbytes / med / 1e9), "ratio": _sig(med / base)}
+
+
+def _sig(x: float) -> float:
+    """Three significant digits: the tiny shape's copies take microseconds, the 0.6B's seconds."""
+    return float(f"{x:.3g}")
+
+
+def memcpy_seconds(weights, repeats: int) -> list[float]:
+    dst = [torch.empty_like(t) for _, t in weights]
+
+    def copy() -> None:
         for d, (_, t) in zip(dst, weights):
             d.copy_(t)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return timed(copy, repeats)
 
 
 def bench_modes(args, spec: str, weights, work: Path, fp8: bool, nbytes: int, base: float
@@ -98,17 +128,20 @@ def bench_modes(args, spec: str, weights, work: Path, fp8: bool, nbytes: int, ba
             sync = WeightSync(SyncSettings(mode=mode, bucket_bytes=int(args.bucket_mb * MiB),
                                            timeout_s=1800), export_dir=work,
                               transform=sync_transform() if fp8 else identity)  # as rollout.fp8
-            best = float("inf")
-            for _ in range(args.repeats + 1):  # the first sync also sets up (shm, group, files)
-                version += 1
-                t0 = time.perf_counter()
-                sync.push([Target(url)], weights, version)
-                best = min(best, time.perf_counter() - t0)
+            pushed = [version]
+
+            def push() -> None:  # the untimed first push also sets up (shm, group, files)
+                pushed[0] += 1
+                sync.push([Target(url)], weights, pushed[0])
+
+            def check() -> None:
                 got = http.request(url, "model_info", timeout=60)["weight_version"]
-                assert got == str(version), (mode, got, version)
+                assert got == str(pushed[0]), (mode, got, pushed[0])
+
+            seconds = timed(push, args.repeats, check)
+            version = pushed[0]
             sync.close_group([Target(url)])
-            rows.append({"what": f"sync {mode}" + (" fp8" if fp8 else ""), "seconds": round(best, 3),
-                         "GB/s": round(nbytes / best / 1e9, 2), "ratio": round(best / base, 1)})
+            rows.append(row(f"sync {mode}" + (" fp8" if fp8 else ""), seconds, nbytes, base))
     finally:
         proc.kill()
         proc.wait()
@@ -119,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("qwen3-0.6b", "tiny"), default="qwen3-0.6b")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes after the warm-up one")
     ap.add_argument("--fp8", choices=("both", "off", "on"), default="both")
     args = ap.parse_args()
 
@@ -127,13 +160,16 @@ def main() -> None:
     spec = spec_file(args.shape, work)
     weights = trainer_weights(spec)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    base = memcpy_seconds(weights, args.repeats)
-    rows = [{"what": "memory copy", "seconds": round(base, 3),
-             "GB/s": round(nbytes / base / 1e9, 2), "ratio": 1.0}]
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    copies = memcpy_seconds(weights, args.repeats)
+    base = statistics.median(copies)
+    rows = [row("memory copy", copies, nbytes, base)]
     for fp8 in {"both": (False, True), "off": (False,), "on": (True,)}[args.fp8]:
         rows += bench_modes(args, spec, weights, work, fp8, nbytes, base)
     print(json.dumps({"shape": args.shape, "tensors": len(weights), "bytes": nbytes,
-                      "bucket_mb": args.bucket_mb, "torch_threads": torch.get_num_threads()}))
+                      "bucket_mb": args.bucket_mb, "repeats": args.repeats,
+                      "torch_threads": torch.get_num_threads()}))
     for r in rows:
         print(json.dumps(r))
 
