@@ -155,8 +155,10 @@ def _saved_or_failed(cfg, step: int, tmp: Path, error: Optional[RankError],
             dist.broadcast_object_list(free, src=0)
         where = f"committing {final}" if final is not None else f"saving the step-{step} " \
             f"checkpoint under {tmp}"
+        ranks = sorted({e.rank for e in exc.errors})
+        who = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
         raise CheckpointError(
-            f"{where} failed ({why}; {free[0]} kB free there); "
+            f"{where} failed ({why}; {free[0]} kB free there) on {who}; "
             + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
         ) from None
 

@@ -285,7 +285,12 @@ class RolloutStage:
         if self.ahead is not None:
             with self.timers("wait"):
                 got = self.producer.take(key) if self.producer is not None else None
-        groups, error, timers = got or self._work(key)
+        if got is None:
+            try:
+                got = self._work(key)
+            except Exception as exc:  # noqa: BLE001 - as the producer thread: agreed by _generate
+                got = self._failed_unit(exc)
+        groups, error, timers = got
         self.timers.absorb(timers)
         if error is not None:
             return error
@@ -308,6 +313,12 @@ class RolloutStage:
             groups, error = attempt(run)
         return groups, error, timers
 
+    @staticmethod
+    def _failed_unit(exc: BaseException) -> tuple:
+        """What escaped `_work` (outside its engine call), as a failed unit's result: a rank that
+        raised here would leave its peers waiting in the rollout's agreement."""
+        return None, RankError.of(exc), Timers()
+
     def _plan_ahead(self, batch: int) -> None:
         """After batch `batch`: the first draw of each of the next `ahead.batches` batches, as the
         prompt iterator and the schedule name them, for the producer (started here, after a resume
@@ -318,7 +329,7 @@ class RolloutStage:
             self.producer = Producer(
                 self._work, versions=lambda k: [v for _, _, v in k[2]],
                 failed=lambda r: r[1] is not None,
-                on_error=lambda exc: (None, RankError.of(exc), Timers()), published=self.kept)
+                on_error=self._failed_unit, published=self.kept)
         prompts, keys = copy.deepcopy(self.prompts), []
         r = self.replica
         for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):

@@ -1,0 +1,92 @@
+"""Fault injection at call sites, the CI sample of tools/fault_sweep.py (which tries every site):
+a traced megapkl function raising RuntimeError("injected fault") at its first call of update 2,
+on rank 1 (rank 0 where rank 0 alone calls it), of a DP=2 tiny run, stops both ranks within 30 s
+with one line naming the rank and the error, the finished updates in a checkpoint that verifies,
+no child process or megapkl thread left and the run directory's lock free (tests/reliability/
+sweep.py says how sites are traced and judged).
+
+The sample holds a site of every package on update 2's path (config code is not called during an
+update), the rank-local steps between agreements (the metrics log, the evaluation's result write, a
+checkpoint's files) and the rollout producer's unit of work, synchronous (the trainer's thread) and
+asynchronous (rollout.async_batches: the producer thread, against two `megapkl serve` workers).
+"""
+from __future__ import annotations
+
+import pytest
+
+from . import sweep
+from .conftest import two_serve_workers
+
+SAMPLE = [  # (target, what it stands for), each passing
+    ("megapkl.train.metrics_log:MetricsLogger.log", "the metrics log (carried to the update's end)"),
+    ("megapkl.eval.runner:write_results", "eval: the evaluation's result files (rank 0)"),
+    ("megapkl.train.checkpointing:_commit", "a checkpoint's rename into place (rank 0)"),
+    ("megapkl.train.checkpointing:_fsync_mine", "a checkpoint's files flushed (rank 1)"),
+    ("megapkl.train.rollouts:RolloutStage._work", "the synchronous producer's unit of work"),
+    ("megapkl.rollout.embedded:EmbeddedEngine.generate", "rollout: the engine"),
+    ("megapkl.rollout.rewards:Reward.scores", "rollout: the reward"),
+    ("megapkl.parallel.compat:_is_cuda_device", "parallel: the CPU shim, in generation"),
+    ("megapkl.objectives.sis:mix64_int", "objectives: the sampling seeds"),
+]
+# Sites that fail today (tools/fault_sweep.py lists them all): a rank raising inside collective work
+# (the training step, the weight export that a reference snapshot takes) leaves its peer in the
+# next collective until the process groups' timeout; strict: the day one passes, its mark must go.
+FAILING = [
+    ("megapkl.parallel.megatron_loss:forward_backward", "parallel: the training step, not agreed"),
+    ("megapkl.models.snapshot:SnapshotStore.save", "models: the reference snapshot, not agreed"),
+]
+PACKAGES = {"train", "rollout", "eval", "models", "parallel", "objectives"}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, megatron_loaded):  # noqa: ARG001 - megatron imported before forks
+    from megapkl.parallel.forked import run_forked
+
+    sites, _ = sweep.trace(run_forked, tmp_path_factory.mktemp("trace") / "run")
+    return {s.target: s for s in sites}
+
+
+def test_the_sample_covers_every_package_on_the_path(traced):
+    on_path = {t.split(":")[0].split(".")[1] for t in traced}
+    assert on_path == PACKAGES, f"update 2 now calls code of {sorted(on_path)}: update the sample"
+    sampled = {t.split(":")[0].split(".")[1] for t, _ in SAMPLE + FAILING}
+    assert sampled == on_path
+    missing = [t for t, _ in SAMPLE + FAILING if t not in traced]
+    assert not missing, f"no longer called in update 2 (or not injectable): {missing}"
+
+
+CASES = [*SAMPLE, *[pytest.param(t, why, marks=pytest.mark.xfail(strict=True, reason=why))
+                    for t, why in FAILING]]
+
+
+@pytest.mark.parametrize("target,why", CASES, ids=[
+    (c.values[0] if hasattr(c, "values") else c[0]).split(":")[1] for c in CASES])
+def test_a_fault_at_this_site_stops_every_rank_at_once(traced, dist_run, tmp_path, target,
+                                                       why):  # noqa: ARG001 - the case's label
+    site = traced[target]
+    result = sweep.try_site(dist_run, site, tmp_path)
+    print(f"\n{target} (rank {site.rank}, call {site.call}): {result.outcome}, the last rank out "
+          f"{result.exit_s} s after the fault; {result.checkpoint}")
+    assert result.outcome == "pass", f"{result.outcome}; the error: {result.error}"
+    assert f"rank {site.rank}" in result.error and sweep.ERROR in result.error, result.error
+    assert result.exit_s < sweep.EXIT_WITHIN_S
+
+
+ASYNC = ["rollout.engine=sglang", "rollout.sglang.colocate=false", "rollout.sglang.use_router=false",
+         "rollout.sglang.startup_timeout_s=120", "rollout.sglang.max_retries=1",
+         "rollout.async_batches=2", "train.steps=6"]  # 6: the producer works on in update 2
+
+
+def test_a_fault_in_the_asynchronous_producers_work_stops_every_rank_at_once(megatron_loaded,
+                                                                             dist_run, tmp_path):
+    """rollout.async_batches: during update 2 the producer thread generates a later batch; its
+    failure reaches the trainer when that batch is taken, and stops both ranks alike."""
+    with two_serve_workers(tmp_path) as workers:
+        urls = [[f'rollout.sglang.urls=["{w.url}"]'] for w in workers]
+        sites, _ = sweep.trace(dist_run, tmp_path / "trace" / "run", *ASYNC, per_rank=urls)
+        site, = [s for s in sites if s.target == "megapkl.train.rollouts:RolloutStage._work"]
+        assert site.thread == "megapkl-rollout-producer", site
+        result = sweep.try_site(dist_run, site, tmp_path / "fault", *ASYNC, per_rank=urls)
+    print(f"\nasync {site.target} (rank {site.rank}, call {site.call}): {result.outcome}, "
+          f"{result.exit_s} s; {result.checkpoint}")
+    assert result.outcome == "pass", f"{result.outcome}; the error: {result.error}"
