@@ -256,6 +256,12 @@ def test_a_container_job_must_see_every_path_it_reads(tmp_path, tmp_path_factory
     with pytest.raises(LaunchError, match=r"the submit directory .* is not visible to the job"):
         submit(PKL, h200, [*inputs, *run], entry=TOY, dry_run=True, force=True,
                cwd=outside.parent)
+    from megapkl.launch.sweep import sweep  # a sweep's elements are checked as submit's job
+    with pytest.raises(ConfigError) as e:
+        sweep(PKL, h200, ["seed=1,2"], [*inputs, *run, f"model.hf_checkpoint={outside}"],
+              entry=TOY, dry_run=True)
+    assert e.value.key == "model.hf_checkpoint" and "is not visible to the job" in str(e.value)
+    sweep(PKL, h200, ["seed=1,2"], [*inputs, *run], entry=TOY, dry_run=True)
     submit(PKL, "h100", [*inputs, *run, f"model.hf_checkpoint={outside}"], entry=TOY,
            dry_run=True, force=True)  # no container: the nodes see the host's paths
     assert container_paths(_container_profile(["/a:/b:ro", "/c", "/d:/e"])) == \

@@ -96,7 +96,8 @@ def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
     (tmp_path / "status.txt").write_text("train 0\nlaunch 1\nfp8 0\nlifecycle 1\n")
     (tmp_path / "train.json").write_text(json.dumps(
         {"ok": True, "device": "X", "tokens_per_s": 10.0, "mfu": 0.3, "peak_memory_gib": 40.0,
-         "weight_export_s": 1.5, "checks": {"a": {"ok": True}}}) + "\n")
+         "weight_export_s": 1.5, "update_s": 0.9, "update_split_s": {"train": 0.5},
+         "checks": {"a": {"ok": True}}}) + "\n")
     (tmp_path / "launch.json").write_text(json.dumps(
         {"ok": False, "checks": {"sigterm_checkpoints_and_stops": {"ok": False}}}) + "\n")
     (tmp_path / "launch.log").write_text("No backend type associated with device type cpu\n")
@@ -120,6 +121,7 @@ def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
     assert summary["failed"]["launch"]["checks"] == ["sigterm_checkpoints_and_stops"]
     assert "device type cpu" in summary["failed"]["launch"]["log_tail"][0]
     assert (summary["tokens_per_s"], summary["fp8_export_plus_quantize_s"]) == (10.0, 0.4)
+    assert (summary["update_s"], summary["update_split_s"]) == (0.9, {"train": 0.5})
 
 
 def test_the_lifecycle_check_runs_its_code_paths_on_cpu():

@@ -14,6 +14,7 @@ Files, per evaluated version v (number of optimizer updates applied):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from megapkl.errors import MegapklError
 from megapkl.eval.metrics import default_ks, micro_average, summarize
 from megapkl.rollout.engine import RolloutEngine, SamplingParams
 from megapkl.rollout.sample import PromptItem, Sample
+from megapkl.rollout.seeds import prompt_seed
 
 
 
@@ -187,6 +189,9 @@ def generate_and_score(engine: RolloutEngine, b: Benchmark, indices: Sequence[in
     """Records of the samples for prompts `indices` of `b` (n per prompt, prompt-major)."""
     if not indices:
         return []
+    if sampling.seed is not None:  # per prompt of the benchmark: the same on any DP share
+        sampling = dataclasses.replace(sampling, prompt_seeds=tuple(
+            prompt_seed(sampling.seed, i) for i in indices))
     samples = engine.generate([b.items[i] for i in indices], b.n_samples, sampling)
     out = []
     for j, s in enumerate(samples):

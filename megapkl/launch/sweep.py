@@ -26,8 +26,8 @@ from megapkl.launch.job import DEFAULT_ENTRY, MegapklJob, check_entry_importable
 from megapkl.launch.plan import check_fleet
 from megapkl.launch.runconfig import prepare_run
 from megapkl.launch.submit import (IfExists, LaunchError, _now, _read_json, _write_json,
-                                   job_profile, make_executor, make_spec, prepare_run_dir,
-                                   read_metrics, record_job, resume_overrides, sbatch_parameters,
+                                   check_container, check_mounts, job_profile, make_executor,
+                                   make_spec, prepare_run_dir, read_metrics, record_job, resume_overrides, sbatch_parameters,
                                    sbatch_script, shape_overrides, with_dedicated_tasks,
                                    write_run_files)
 
@@ -130,6 +130,8 @@ def sweep(config: str | os.PathLike, profile: Optional[str], grid: Sequence[str]
         if extra:
             prep = dataclasses.replace(prepare_run(config, own + extra, cwd=cwd), overrides=own)
         check_fleet(prep.cfg, prep.config_path)
+        check_container(prep.cfg, prof, prep.config_path)  # what submit checks, per element
+        check_mounts(prep, prof, cwd)
         preps.append(prep)
     prof = one_shape(preps, prof)
     folder = sweep_dir / "submitit"

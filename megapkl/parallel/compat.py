@@ -58,10 +58,26 @@ def is_installed() -> bool:
 
 
 def preload() -> None:
-    """Import the megatron modules the patches touch (seconds; do it before forking)."""
-    import megatron.core  # noqa: F401
-    from megatron.core.tensor_parallel import random  # noqa: F401
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
+    """Import the megatron modules the patches touch (seconds; do it before forking). On CPU
+    without `torch.compile`: megatron wraps its fused functions in it at import time (its
+    `jit_fuser`), and the first call imports TorchInductor, 5-8 of the 8-12 s the import takes
+    here; the functions are the same code uncompiled, and nothing runs compiled on CPU."""
+    import sys
+
+    real = torch.compile
+    if "megatron.core" not in sys.modules and not torch.cuda.is_available():
+        torch.compile = _no_compile
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core.tensor_parallel import random  # noqa: F401
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
+    finally:
+        torch.compile = real
+
+
+def _no_compile(model: Any = None, **_: Any) -> Any:
+    """torch.compile's signature, compiling nothing: `model` back, or an identity decorator."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def install() -> bool:
@@ -74,6 +90,7 @@ def install() -> bool:
     if torch.cuda.is_available():
         return False
     if not _installed:
+        preload()
         _patch_current_device()
         _patch_cuda_rng()
         _patch_streams()
@@ -299,6 +316,8 @@ def _patch_megatron() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
+@functools.lru_cache(maxsize=16)
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
-    """megatron's `get_default_causal_mask` (True above the diagonal), on the CPU."""
+    """megatron's `get_default_causal_mask` (True above the diagonal), on the CPU. Cached: every
+    layer of every micro-batch asks for the same few lengths, and the mask is only read."""
     return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()

@@ -12,6 +12,7 @@ the log-prob / top-k / top-p conventions and `megapkl.rollout.sample` for the Sa
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -26,6 +27,7 @@ from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingP
                                     WeightUpdateError, check_generate_args)
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sampling import draw, step_logprobs, top_logprobs
+from megapkl.rollout.seeds import row_seeds, uniforms
 
 ConfigLike = Union[str, os.PathLike, dict, Any]
 
@@ -164,7 +166,8 @@ class EmbeddedEngine(RolloutEngine):
         config: PretrainedConfig, config.json mapping (see `megapkl.models.spec.hf_config_dict`),
             config.json path or local checkpoint directory.
         device, dtype: where and in what precision the engine's copy of the weights lives.
-        seed: seeds the sampler's running torch.Generator (a call may pass its own seed instead).
+        seed: seeds the running torch.Generator that seeds unseeded calls (SamplingParams.seed or
+            prompt_seeds name a call's draws instead; rollout/seeds.py).
         eos_token_ids: default stop tokens (default: the config's eos_token_id, else the
             tokenizer's; none at all means responses stop only at max_new_tokens).
         pad_token_id: filler for left padding and finished rows (never attended to).
@@ -389,18 +392,27 @@ class EmbeddedEngine(RolloutEngine):
         if sampling.topk_logprobs > self.config.vocab_size:
             raise ValueError(f"topk_logprobs ({sampling.topk_logprobs}) exceeds the vocabulary "
                              f"({self.config.vocab_size})")
-        generator = self._generator
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        seeds = self._prompt_seeds(len(prompts), sampling)
+        draws = row_seeds(seeds, n, self.device)  # each response's own random stream
         group_ids, uids = self._allocate_ids(len(prompts), n)
         rows = [(p, g) for p, g in zip(prompts, group_ids) for _ in range(n)]
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]
-            outs = self._generate_rows([p.prompt_ids for p, _ in chunk], sampling, generator)
+            outs = self._generate_rows([p.prompt_ids for p, _ in chunk], sampling,
+                                       draws[start:start + len(chunk)])
             for (prompt, group), uid, out in zip(chunk, uids[start:], outs):
                 samples.append(self._make_sample(prompt, group, uid, out, sampling))
         return samples
+
+    def _prompt_seeds(self, count: int, sampling: SamplingParams) -> list[int]:
+        """The call's seed per prompt (SamplingParams.seed_of); an unseeded call takes its seed
+        from the engine's running generator, so successive calls differ and resume exactly."""
+        if sampling.seed is None and sampling.prompt_seeds is None:
+            call = int(torch.randint(0, 2**62, (1,), generator=self._generator,
+                                     device=self.device))
+            sampling = dataclasses.replace(sampling, seed=call)
+        return [sampling.seed_of(i) for i in range(count)]
 
     def _check_lengths(self, prompts: Sequence[PromptItem], sampling: SamplingParams) -> None:
         limit = getattr(self.config, "max_position_embeddings", None)
@@ -429,8 +441,9 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()  # not inference_mode: Sample tensors must be usable in autograd later
     def _generate_rows(self, prompt_ids: list[Tensor], sampling: SamplingParams,
-                       generator: torch.Generator) -> list[dict]:
-        """Decode one left-padded batch; returns per row the response and its per-token records."""
+                       draws: Tensor) -> list[dict]:
+        """Decode one left-padded batch; returns per row the response and its per-token records.
+        `draws`: int64 [rows], each row's seed (its uniform at step t is seeds.uniforms(draws, t))."""
         batch = len(prompt_ids)
         ids, mask, pos = self._left_pad(prompt_ids)
         want_experts = sampling.return_routed_experts
@@ -444,7 +457,7 @@ class EmbeddedEngine(RolloutEngine):
         out = self._forward(ids, mask, pos, cache=None)
         for t in range(sampling.max_new_tokens):
             logp = step_logprobs(out.logits[:, -1], sampling)
-            token = draw(logp, sampling, generator)
+            token = draw(logp, sampling, None if sampling.greedy else uniforms(draws, t))
             token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
             steps.append(self._record_step(logp, token, sampling))
             lengths += (~finished).long()

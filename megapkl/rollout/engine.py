@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem, Sample
+from megapkl.rollout.seeds import prompt_seed
 
 
 class RolloutError(MegapklError, RuntimeError):
@@ -31,7 +32,13 @@ class RolloutEngineError(MegapklError, RuntimeError):
 
 class WeightUpdateError(MegapklError, ValueError):
     """A pushed weight does not fit the engine's model (unknown name, wrong shape or dtype, or an
-    incomplete first load). The engine keeps its previous weights and version."""
+    incomplete first load), or a push to SGLang servers failed. The engine keeps its previous
+    weights and version. `unreachable`: the URL of a server that stopped answering during the
+    push (a dead server, not a bad weight: the others can still take the weights), else None."""
+
+    def __init__(self, message: str, *, unreachable: Optional[str] = None):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,9 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
     ignore_eos: bool = False
     seed: Optional[int] = None  # SGLang `sampling_seed`; None: the engine's running generator
+    # One seed per prompt of the call (overrides `seed`): the caller names each prompt's draws, so
+    # a group's samples do not depend on which other prompts share the call (rollout/seeds.py).
+    prompt_seeds: Optional[tuple[int, ...]] = None
     topk_logprobs: int = 0  # SGLang `top_logprobs_num`: K behavior top-K per token (SIS), 0 = off
     return_routed_experts: bool = False  # MoE routing replay (R3)
 
@@ -66,10 +76,22 @@ class SamplingParams:
             problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.topk_logprobs < 0:
             problems.append(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
+        if self.prompt_seeds is not None and any(not 0 <= int(x) < 2**63
+                                                 for x in self.prompt_seeds):
+            problems.append("prompt_seeds must be integers in [0, 2**63)")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
+        if self.prompt_seeds is not None:
+            object.__setattr__(self, "prompt_seeds", tuple(int(x) for x in self.prompt_seeds))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+
+    def seed_of(self, index: int) -> Optional[int]:
+        """The seed of prompt `index` of the call: `prompt_seeds[index]`, else derived from
+        `seed` and the index, else None (unseeded)."""
+        if self.prompt_seeds is not None:
+            return self.prompt_seeds[index]
+        return None if self.seed is None else prompt_seed(self.seed, index)
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +194,9 @@ def check_generate_args(prompts: Sequence[PromptItem], n: int, sampling: Samplin
         raise ValueError(f"generate: n (responses per prompt) must be >= 1, got {n}")
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"generate: sampling must be SamplingParams, got {type(sampling).__name__}")
+    if sampling.prompt_seeds is not None and len(sampling.prompt_seeds) != len(prompts):
+        raise ValueError(f"generate: {len(sampling.prompt_seeds)} prompt_seeds for "
+                         f"{len(prompts)} prompts")
     for i, p in enumerate(prompts):
         if not isinstance(p, PromptItem):
             raise TypeError(f"generate: prompts[{i}] must be a PromptItem, got {type(p).__name__}")

@@ -43,15 +43,21 @@ def keep_mask(logp: Tensor, top_k: int, top_p: float) -> Optional[Tensor]:
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def draw(logp: Tensor, sampling: SamplingParams, generator: torch.Generator) -> Tensor:
-    """Next token ids [B] from step log-probs [B, V]."""
+def draw(logp: Tensor, sampling: SamplingParams, u: Optional[Tensor]) -> Tensor:
+    """Next token ids [B] from step log-probs [B, V] and one uniform in [0, 1) per row (`u`,
+    float64 [B]; unused when greedy): the inverse of each row's CDF over the kept tokens, so a
+    row's token depends on its own uniform alone (rollout/seeds.py)."""
     if sampling.greedy:
         return logp.argmax(dim=-1)
-    probs = logp.exp()
+    probs = logp.double().exp()
     mask = keep_mask(logp, sampling.top_k, sampling.top_p)
     if mask is not None:
         probs = probs.masked_fill(~mask, 0.0)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    # the first token whose CDF exceeds the target: never a masked one (its CDF step is flat)
+    token = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return token.clamp_(max=logp.shape[-1] - 1)
 
 
 def top_logprobs(logp: Tensor, k: int) -> tuple[Tensor, Tensor]:

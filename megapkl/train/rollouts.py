@@ -34,6 +34,7 @@ from megapkl.objectives.sis import mix64_int
 from megapkl.parallel.groups import ParallelGroups, replica_group
 from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
+from megapkl.rollout.seeds import prompt_seed
 from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import RankError, RanksFailed, agree, agreed, attempt, feed
 from megapkl.train.producer import Producer
@@ -348,7 +349,10 @@ class RolloutStage:
             part = [(i, slot) for i, slot, v in todo if v == version]
             self.use_version(version, timers)
             seed = mix64_int(mix64_int(mix64_int(self.seed) + batch) + rnd * 7919 + version) >> 1
-            sampling = dataclasses.replace(self.sampling, seed=seed)
+            # per global slot: a group's draws do not depend on the DP size or the call's other
+            # prompts, so a layout changes no sample
+            sampling = dataclasses.replace(self.sampling, prompt_seeds=tuple(
+                prompt_seed(seed, slot) for _, slot in part))
             with timers("generate"):
                 samples = self.engine.generate([self.dataset[i] for i, _ in part],
                                                self.group_size, sampling)

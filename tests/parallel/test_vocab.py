@@ -139,7 +139,10 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="topk_ids"):
         vocab_parallel_topk_logprobs(x, torch.zeros(4, dtype=torch.long))
     assert default_chunk_tokens(151936) >= 1 and default_chunk_tokens(128) > 1000
-    assert default_chunk_tokens(128, tokens=64) == 2  # at least MIN_CHUNKS chunks
+    # at least MIN_CHUNKS chunks of a large vocabulary, but no chunk below MIN_CHUNK_BYTES
+    assert default_chunk_tokens(151936, tokens=64) == 2
+    assert default_chunk_tokens(128, tokens=64) >= 64  # one chunk: 32 KiB of logits
+    assert default_chunk_tokens(128, tokens=10**5) == -(-10**5 // 32)
 
 
 def test_no_grad_forward_skips_saving():

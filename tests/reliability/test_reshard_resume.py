@@ -1,5 +1,6 @@
-"""Trainer state is layout independent: a run saved at DP = 2 resumes at DP = 1 and at TP = 2 with
-the same prompt order and the same metrics (up to float summation order) from then on."""
+"""Trainer state and results are layout independent: a run saved at DP = 2 resumes at DP = 1 and at
+TP = 2 with the same prompt order, the same samples and the same metrics (up to float summation
+order) from then on."""
 import pytest
 
 from megapkl.train.metrics_log import read_metrics
@@ -31,9 +32,10 @@ def test_my_share_keeps_each_minibatch_whole():
 
 def test_resume_at_another_data_and_tensor_parallel_size(train, tmp_path):
     """Saved at DP = 2 after update 0; resumed at DP = 1 and at TP = 2: update 1 (the rest of the
-    saved batch) gives the metrics of the uninterrupted DP = 2 run, and the run goes on from there
-    (the next batch is generated at the new layout)."""
-    full = tiny_cfg(tmp_path / "full", *MB2, "train.steps=2", data=2)
+    saved batch) gives the metrics of the uninterrupted DP = 2 run, and so does update 2, whose
+    batch is generated at the new layout: each prompt group's draws are seeded by its place in
+    the global batch, not by the rank that generates it (rollout/seeds.py)."""
+    full = tiny_cfg(tmp_path / "full", *MB2, "train.steps=3", data=2)
     train(full, world=2)
     ref = comparable(read_metrics(full.run_dir))
     for name, world, layout in (("dp1", 1, ["parallel.data=1"]),
@@ -46,4 +48,4 @@ def test_resume_at_another_data_and_tensor_parallel_size(train, tmp_path):
         rows = comparable(read_metrics(resumed.run_dir))
         assert [r["step"] for r in rows] == [0, 1, 2]
         assert rows[0] == ref[0]
-        _close(rows[1:2], ref[1:2])
+        _close(rows[1:], ref[1:])

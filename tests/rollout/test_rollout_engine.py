@@ -1,6 +1,7 @@
 """Embedded engine: behavior log-probs, top-K, truncation, versions, weights, routed experts."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -155,6 +156,45 @@ def test_deterministic_and_resumable(dense_model):
     for other in (b.generate(PROMPTS, 2, sampling), c.generate(PROMPTS, 2, sampling)):
         assert [s.uid for s in other] == [s.uid for s in next_a]
         assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(other, next_a))
+
+
+def test_a_groups_samples_do_not_depend_on_the_rest_of_the_call(dense_model):
+    """A prompt's responses are a function of its seed alone: the same whichever prompts share
+    the call, in whatever order, chunked however (max_batch_size), and on whichever engine. This
+    is what keeps the data-parallel size from changing the samples."""
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.2, stop_token_ids=STOPS)
+    whole = engine_for(dense_model, seed=0, max_batch_size=256).generate(
+        PROMPTS, 4, dataclasses.replace(sampling, prompt_seeds=(11, 22, 33)))
+    alone = engine_for(dense_model, seed=5, max_batch_size=3).generate(
+        PROMPTS[2:0:-1], 4, dataclasses.replace(sampling, prompt_seeds=(33, 22)))
+    key = lambda ss: [(s.response_ids.tolist(), s.finish_reason) for s in ss]  # noqa: E731
+    assert key(alone) == key(whole[8:12]) + key(whole[4:8])
+    for a, b in zip(alone, whole[8:12] + whole[4:8]):
+        torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=1e-5, rtol=0)
+    # the responses of a group differ from each other, and another seed draws others
+    assert len({tuple(r) for r, _ in key(whole[:4])}) > 1
+    other = engine_for(dense_model).generate(PROMPTS[:1], 4, dataclasses.replace(
+        sampling, prompt_seeds=(12,)))
+    assert key(other) != key(whole[:4])
+
+
+def test_inverse_cdf_draw_follows_the_kept_distribution():
+    """sampling.draw with one uniform per row: token frequencies match the (truncated)
+    probabilities within sampling error, and masked tokens are never drawn."""
+    from megapkl.rollout.sampling import draw, keep_mask
+    from megapkl.rollout.seeds import row_seeds, uniforms
+
+    logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]]), dim=-1)
+    rows = 40000
+    for params in (SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.8)):
+        u = uniforms(row_seeds([7], rows), 0)
+        tokens = draw(logp.expand(rows, -1), params, u)
+        freq = torch.bincount(tokens, minlength=6).double() / rows
+        mask = keep_mask(logp, params.top_k, params.top_p)
+        p = logp.exp().double()[0] * (1 if mask is None else mask[0])
+        p = p / p.sum()
+        assert torch.all(freq[p == 0] == 0), (params, freq)
+        assert torch.allclose(freq, p, atol=4 * (0.25 / rows) ** 0.5), (params, freq, p)
 
 
 def test_moe_routed_experts_match_teacher_forced_routing(moe_model, dense_model):

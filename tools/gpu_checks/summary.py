@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
         "ok": all(verdicts.values()), "mode": argv[1] if len(argv) > 1 else "gpu",
         "device": train.get("device"), "verdicts": verdicts,
         "tokens_per_s": train.get("tokens_per_s"), "mfu": train.get("mfu"),
+        "update_s": train.get("update_s"), "update_split_s": train.get("update_split_s"),
         "peak_memory_gib": train.get("peak_memory_gib"),
         "weight_export_s": train.get("weight_export_s"), "resume_s": train.get("resume_s"),
         "fp8_export_plus_quantize_s": quant.get("export_plus_quantize_s"),

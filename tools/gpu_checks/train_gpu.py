@@ -134,10 +134,10 @@ class Probe:
     def _record(self, module, args, kwargs):
         self.devices |= {str(t.device) for t in tensors_in((args, kwargs))}
 
-    def _timed_step(self, inner, micro_batches, step):
+    def _timed_step(self, inner, micro_batches, step, **kwargs):
         sync()
         t0 = time.perf_counter()
-        metrics, applied = inner(micro_batches, step)
+        metrics, applied = inner(micro_batches, step, **kwargs)
         sync()
         self.step_s.append(time.perf_counter() - t0)
         self.tokens.append(self._packed)
@@ -213,6 +213,25 @@ def fresh_samples(trainer, n_prompts: int, max_new: int):
     for i, s in enumerate(samples):
         s.uid = 1_000_000 + i
     return samples, export_s
+
+
+UPDATE_PARTS = ("export", "sync", "generate", "reward", "reference", "train", "eval",
+                "checkpoint", "log")
+
+
+def update_split(run_dir: str) -> dict:
+    """Median seconds per update and of each part the trainer times (metrics.jsonl `time/*_s`),
+    the first update (warm-up) left out: where an update's time goes, next to tokens/s and MFU."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    rows = rows[1:] or rows
+
+    def median(key: str) -> float | None:
+        vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+        return round(vals[len(vals) // 2], 4) if vals else None
+    parts = {p: median(f"time/{p}_s") for p in UPDATE_PARTS}
+    return {"update_s": median("time/update_s"),
+            "update_split_s": {p: v for p, v in parts.items() if v is not None}}
 
 
 def check(results: dict, name: str, ok: bool, detail) -> None:
@@ -299,6 +318,7 @@ def main(argv=None) -> int:
         peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if args.device == "cuda" else None,
         weight_export_s=round(export_s, 3),
+        **update_split(run_dir),
     )
     context.__exit__(None, None, None)  # the engine stops, the run lock is released
     del trainer, learner, probe, samples

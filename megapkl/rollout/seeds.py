@@ -1,0 +1,64 @@
+"""Seeded sampling that depends on the prompt, never on the call: counter-based uniforms.
+
+A response's random draws are a function of (its prompt's seed, its sample index, the decoding
+step) alone, so the same prompt group comes out the same whichever other prompts share the
+engine call, however the rows are chunked, and on whichever data-parallel rank generates it. That
+is what keeps a parallel layout from changing the samples, and so `metrics.jsonl`. A running
+generator consumed row after row cannot do this: the k-th prompt of a rank's call would draw the
+numbers of the k-th prompt of every other rank's call.
+
+The mixing is splitmix64's finalizer, on Python ints for the per-prompt seeds and on int64 tensors
+(two's-complement wraparound, shifts masked to be logical) for the per-row, per-step uniforms.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def mix64(x: int) -> int:
+    """splitmix64 of a Python int: a 64-bit value, well spread over all bits."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index` of something seeded with `seed`: a non-negative int63 (what
+    SGLang's `sampling_seed` and torch accept)."""
+    return mix64(mix64(seed & _MASK64) + index + 1) >> 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix_tensor(z: Tensor) -> Tensor:
+    z = z + _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_M1)
+    z = (z ^ _shr(z, 27)) * _signed(_M2)
+    return z ^ _shr(z, 31)
+
+
+def row_seeds(prompt_seeds: list[int], n: int, device: torch.device | str = "cpu") -> Tensor:
+    """int64 [len(prompt_seeds) * n]: one seed per response, prompt-major (sample j of a prompt)."""
+    base = torch.tensor([_signed(mix64(s)) for s in prompt_seeds], dtype=torch.int64,
+                        device=device)
+    return _mix_tensor(base.repeat_interleave(n) + torch.arange(n, device=device).repeat(
+        len(prompt_seeds)))
+
+
+def uniforms(rows: Tensor, step: int) -> Tensor:
+    """float64 [B] in [0, 1): decoding step `step`'s uniform of each row seed (53 random bits)."""
+    z = _mix_tensor(rows ^ _signed(mix64(step)))
+    return _shr(z, 11).to(torch.float64) * 2.0 ** -53
