@@ -132,6 +132,7 @@ def _params(model):
 def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], responses: int
                       ) -> list[list[Tensor]]:
     """Responses of the current policy to the first P prompts; log rho_j per response, by prompt."""
+    import contextlib
     import dataclasses
 
     import torch
@@ -146,12 +147,17 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
     _load(learner, reference, initial)
     learner.snapshots.save("reference")
     _load(learner, current, initial)
-    stage = build_rollout_stage(cfg, learner.spec, Replica(), timers=None)
-    stage.engine.update_weights(learner.export(), 1)
-    prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
-    samples = stage.engine.generate(prompts, responses,
-                                    dataclasses.replace(stage.sampling, seed=cfg.seed))
-    stage.close()
+    with contextlib.ExitStack() as held:  # its engine and reward closed however this ends
+        def hold(part):
+            if hasattr(part, "close"):
+                held.callback(part.close)
+            return part
+
+        stage = build_rollout_stage(cfg, learner.spec, Replica(), timers=None, hold=hold)
+        stage.engine.update_weights(learner.export(), 1)
+        prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
+        samples = stage.engine.generate(prompts, responses,
+                                        dataclasses.replace(stage.sampling, seed=cfg.seed))
     for s in samples:
         s.advantage = 0.0  # no loss is taken; the packer carries one per response
     micro_batches = learner.pack(samples)

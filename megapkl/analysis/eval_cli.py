@@ -242,13 +242,15 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     apply_section_overrides(benches, section_overrides(overrides), cfg.eval.n_samples)
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg, spec, tokenizer)
-    scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
-    try:
-        engine.update_weights(engine_weights(cfg, weights), version=version)
-        records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version, seed=cfg.seed,
-                           scoring=scoring)
+    try:  # the engine (and the SGLang servers it launched) is closed however this ends
+        scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
+        try:
+            engine.update_weights(engine_weights(cfg, weights), version=version)
+            records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version,
+                               seed=cfg.seed, scoring=scoring)
+        finally:
+            scoring.close()
     finally:
-        scoring.close()
         engine.close()
     summary = {"step": version, "checkpoint": str(ckpt), **summarize_records(benches, records),
                "settings": settings(cfg.eval, cfg.rollout, benches)}

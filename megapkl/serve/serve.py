@@ -98,16 +98,33 @@ class SGLangCompatServer:
             outputs = self._run_items(items)
         return outputs if batched or len(outputs) > 1 else outputs[0]
 
-    def _run_items(self, items: list[Item]) -> list[dict]:
+    def _groups(self, items: list[Item]) -> list[tuple[list[Item], SamplingParams, int]]:
+        """The items that share one engine call, with its sampling and n: equal settings (one
+        seed: the engine seeds each prompt from it and the prompt's place), or settings that
+        differ in the seed alone (a seeded group comes as n copies of its prompt with a seed
+        each), each prompt then drawn from its own seed as if it had come alone."""
         engine = self.state.engine
-        groups: dict[str, list[Item]] = {}
+        vocab, eos = engine.config.vocab_size, engine.eos_token_ids
+        groups: dict[str, list[tuple[Item, SamplingParams, int]]] = {}
         for item in items:
             self._validate_item(item)
-            key = json.dumps([item.sampling, item.top_logprobs_num, item.routed], sort_keys=True)
-            groups.setdefault(key, []).append(item)
-        for group in groups.values():
-            sampling, n = parse_sampling(group[0].sampling, engine.config.vocab_size,
-                                         engine.eos_token_ids)
+            alone, n = parse_sampling(item.sampling, vocab, eos)  # a bad field: 400 here
+            rest = {k: v for k, v in item.sampling.items() if k != "sampling_seed"}
+            key = json.dumps([rest, alone.seed is not None, item.top_logprobs_num, item.routed],
+                             sort_keys=True)
+            groups.setdefault(key, []).append((item, alone, n))
+        out = []
+        for members in groups.values():
+            sampling, n = members[0][1], members[0][2]
+            if len({alone.seed for _, alone, _ in members}) > 1:
+                sampling = dataclasses.replace(sampling, seed=None, prompt_seeds=tuple(
+                    alone.seed_of(0) for _, alone, _ in members))
+            out.append(([item for item, _, _ in members], sampling, n))
+        return out
+
+    def _run_items(self, items: list[Item]) -> list[dict]:
+        engine = self.state.engine
+        for group, sampling, n in self._groups(items):
             want_routed = group[0].routed and self.state.enable_routed_experts
             sampling = dataclasses.replace(sampling, topk_logprobs=group[0].top_logprobs_num,
                                            return_routed_experts=want_routed)

@@ -182,7 +182,10 @@ def pid() -> int:
 def generate_request(body: dict, vocab_size: int) -> dict[str, Any]:
     """A /generate body through SGLang's checks: the JSON contract gate of the route
     (`generate_contract_error`), `GenerateReqInput` with `normalize_batch_and_arguments`, and
-    `SamplingParams(**sampling_params).verify(vocab_size)`."""
+    `SamplingParams(**sampling_params).verify(vocab_size)` for each sample. The samples are the
+    ones the tokenizer manager sends to the scheduler (`_handle_batch_request`): item i of a
+    batch (`obj[i]`), `parallel_sample_num` copies of it when n > 1; `seeds` lists their
+    sampling_seed in answer order."""
     from sglang.srt.entrypoints.api_contract import generate_contract_error
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -192,24 +195,34 @@ def generate_request(body: dict, vocab_size: int) -> dict[str, Any]:
         return {"error": error}
     try:
         obj = GenerateReqInput(**body)
-        obj.normalize_batch_and_arguments()  # n > 1 expands into one entry per sample
-        per_sample = obj.sampling_params if isinstance(obj.sampling_params, list) else [
-            obj.sampling_params]
-        if any(p != per_sample[0] for p in per_sample):
-            return {"error": f"samples of one prompt got different sampling_params: {per_sample}"}
-        params = SamplingParams(**(per_sample[0] or {}))
-        params.verify(vocab_size)
+        obj.normalize_batch_and_arguments()  # n > 1 or a batch: one entry per sample
+        if obj.is_single:
+            items = [obj]
+        else:
+            items = [obj[i] for i in range(obj.batch_size) for _ in range(obj.parallel_sample_num)]
+        per_sample = [dict(item.sampling_params or {}) for item in items]
+        params = []
+        for p in per_sample:
+            params.append(SamplingParams(**p))
+            params[-1].verify(vocab_size)
+        unseeded = [{k: v for k, v in p.items() if k not in ("sampling_seed", "n")}
+                    for p in per_sample]
+        if any(p != unseeded[0] for p in unseeded):
+            return {"error": f"samples of one prompt differ beyond their seed: {per_sample}"}
+        prompts = {tuple(item.input_ids) for item in items}
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"}
-    first = (lambda v: v[0] if isinstance(v, list) else v)
-    return {"samples": len(per_sample), "return_logprob": first(obj.return_logprob), "logprob_start_len": first(obj.logprob_start_len),
+    first, p0 = (lambda v: v[0] if isinstance(v, list) else v), params[0]
+    return {"samples": len(items), "prompts": len(prompts),
+            "return_logprob": first(obj.return_logprob),
+            "logprob_start_len": first(obj.logprob_start_len),
             "top_logprobs_num": first(obj.top_logprobs_num),
             "return_routed_experts": first(obj.return_routed_experts),
-            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
-            "ignore_eos": params.ignore_eos,
-            "stop_token_ids": sorted(params.stop_token_ids or ()),
-            "sampling_seed": getattr(params, "sampling_seed", None)}
+            "max_new_tokens": p0.max_new_tokens, "temperature": p0.temperature,
+            "top_p": p0.top_p, "top_k": p0.top_k, "n": obj.parallel_sample_num,
+            "ignore_eos": p0.ignore_eos,
+            "stop_token_ids": sorted(p0.stop_token_ids or ()),
+            "seeds": [getattr(p, "sampling_seed", None) for p in params]}
 
 
 def deserialize(payload: str) -> list:

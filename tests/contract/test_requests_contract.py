@@ -2,10 +2,12 @@
 
 Executed from sglang: the /generate route's JSON contract gate (`api_contract.
 generate_contract_error`, the schema of `sglang/api/v1`), `GenerateReqInput(**body)
-.normalize_batch_and_arguments()`, `SamplingParams(**sampling_params).verify(vocab_size)`; for
-payloads, `monkey_patch_torch_reductions()` + `MultiprocessingSerializer.deserialize` (the two
-steps of `TpModelWorker.deserialize_own_rank`). Not executed: the tokenizer manager's request
-path (it needs the scheduler processes).
+.normalize_batch_and_arguments()` and its per-item split (`obj[i]`),
+`SamplingParams(**sampling_params).verify(vocab_size)`; for payloads,
+`monkey_patch_torch_reductions()` + `MultiprocessingSerializer.deserialize` (the two steps of
+`TpModelWorker.deserialize_own_rank`). Not executed: the tokenizer manager's request path (it
+needs the scheduler processes); how it fans a request out into samples (item i, n copies of it
+when n > 1) is restated in `sglang_side.generate_request`.
 """
 from __future__ import annotations
 
@@ -29,14 +31,13 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generate_body_is_sglangs(sglang, case):
-    from megapkl.rollout.sglang.client import request_seed
-
     sampling = CASES[case]
-    body = generate_payload([5, 9, 17], sampling, n=3, seed=request_seed(sampling.seed, 0))
+    body = generate_payload([5, 9, 17], sampling, n=3, seed=sampling.seed_of(0))
     got = sglang.call("generate_request", body, VOCAB)
     assert "error" not in got, got
     assert got["return_logprob"] is True and got["logprob_start_len"] == -1
-    assert got["samples"] == 3 and got["max_new_tokens"] == sampling.max_new_tokens
+    assert got["samples"] == 3 and got["prompts"] == 1
+    assert got["max_new_tokens"] == sampling.max_new_tokens
     assert got["top_p"] == pytest.approx(sampling.top_p)
     if sampling.temperature == 0.0:  # SGLang's greedy: temperature 1 over the top-1 token
         assert got["top_k"] == 1
@@ -49,7 +50,29 @@ def test_generate_body_is_sglangs(sglang, case):
     assert got["ignore_eos"] is bool(sampling.ignore_eos)
     assert got["stop_token_ids"] == sorted(sampling.stop_token_ids or ())
     if sampling.seed is not None:
-        assert got["sampling_seed"] == body["sampling_params"]["sampling_seed"]
+        assert got["seeds"] == [body["sampling_params"]["sampling_seed"]] * 3
+
+
+def test_each_response_of_a_seeded_group_has_its_own_seed(sglang):
+    """SGLang copies a request's sampling_params, seed included, to each of its n samples; under
+    --enable-deterministic-inference equal seeds draw equal responses, and a group of equal
+    responses has zero advantage. To such servers megapkl's seeded group gives every sample a
+    seed of its own, in answer order; an unseeded group stays one request with n."""
+    from megapkl.rollout.sglang.protocol import sample_seed
+
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5)
+    prompt_seed = sampling.seed_of(2)  # the third prompt of the call
+    got = sglang.call("generate_request", generate_payload([4, 8], sampling, n=4,
+                                                           seed=prompt_seed, seed_each=True),
+                      VOCAB)
+    assert "error" not in got, got
+    assert got["samples"] == 4 and got["prompts"] == 1 and got["n"] == 1
+    assert got["seeds"] == [sample_seed(prompt_seed, j) for j in range(4)]
+    assert len(set(got["seeds"])) == 4
+    plain = sglang.call("generate_request", generate_payload([4, 8], SamplingParams(), n=4,
+                                                             seed_each=True), VOCAB)
+    assert "error" not in plain, plain
+    assert plain["samples"] == 4 and plain["n"] == 4 and plain["seeds"] == [None] * 4
 
 
 def test_sglang_refuses_an_unknown_sampling_key(sglang):

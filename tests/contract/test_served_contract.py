@@ -55,3 +55,26 @@ def test_a_server_is_checked_against_the_run_config(sglang, case, tmp_path, monk
     message = str(info.value)
     assert message.startswith(f"rollout.sglang.urls[0]: {url} was started with ") \
         and "\n" not in message, message
+
+
+def test_a_server_drawing_from_the_seed_alone_is_recognised(sglang, tmp_path, monkeypatch):
+    """A server started with --enable-deterministic-inference (rollout.sglang.extra_args) says so
+    in SGLang's own /server_info: the engine then sends each response of a seeded group its own
+    seed (docs/engines.md, "Seeds"); a server started without it does not."""
+    from megapkl.models.spec import hf_config_dict, load_spec
+    from megapkl.rollout.factory import engine_context
+    from megapkl.rollout.sglang.served import DETERMINISTIC, check_served, draws_from_seed, expected
+
+    cfg = load_variant("bf16_separate_gpus", tmp_path / "run")
+    want = expected(cfg.rollout, engine_context(cfg, hf_config_dict(load_spec(cfg.model.name),
+                                                                    dtype="bfloat16")))
+    # (this CPU resolves SGLang's attention backend to intel_amx, which deterministic inference
+    # refuses: name one it takes, as a GPU server would resolve)
+    on = f'rollout.sglang.extra_args=["{DETERMINISTIC}", "--attention-backend", "triton"]'
+    for extra, draws in (((on,), True), ((), False)):
+        argv = launched("bf16_separate_gpus", tmp_path / f"server{draws}", monkeypatch,
+                        extra).sglang_argv()
+        assert (DETERMINISTIC in argv) is draws
+        url = sglang.call("start_front", argv)
+        assert draws_from_seed(check_served("rollout.sglang.urls[0]", url, want,
+                                            timeout_s=60)) is draws

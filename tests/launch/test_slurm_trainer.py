@@ -166,25 +166,6 @@ def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
 TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
 
 
-def test_trainer_two_node_job_logs_the_single_node_metrics(trainer_reference,
-                                                           launch_tmp: Path) -> None:
-    """One task on each of two nodes (separate network namespaces and addresses), DP=2 over
-    gloo between them, rendezvous from the Slurm environment (MASTER_ADDR = the allocation's first
-    node): the same metrics, every update, as the 2-task job on one node."""
-    ref_sub, ref = trainer_reference
-    run_dir = launch_tmp / "trainer_two_nodes"
-    sub = submit(TINY, TWO_NODES, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
-    results = wait_done(sub.job, 300, "two-node trainer job")
-    assert comparable(results) == comparable(ref)
-    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(ref_sub.run_dir))
-    start = read_events(run_dir)[0]
-    assert (start["world_size"], start["backend"]) == (2, "gloo")
-    assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
-    wait_state(sub.job_id, "COMPLETED")
-    nodes = subprocess_out(["sacct", "-n", "-X", "-j", sub.job_id, "-o", "NodeList%40"])
-    assert nodes.strip() == "mpn[1-2]", nodes
-
-
 def subprocess_out(argv):
     import subprocess
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
@@ -194,9 +175,12 @@ def subprocess_out(argv):
 @pytest.mark.parametrize("profile", [TWO_NODES])
 def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
         trainer_reference, launch_tmp: Path, profile: str) -> None:
-    """submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
+    """One task on each of two nodes (separate network namespaces and addresses), DP=2 over gloo
+    between them, rendezvous from the Slurm environment (MASTER_ADDR = the allocation's first
+    node). submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
     trainer checkpoints at the next update boundary and requeues; the requeued job resumes from
-    that checkpoint and ends with the uninterrupted run's metrics (timing fields aside)."""
+    that checkpoint and ends with the metrics of the uninterrupted 2-task job on one node (timing
+    fields aside)."""
     ref_sub, ref = trainer_reference
     run_dir = launch_tmp / f"trainer_preempted_{profile}"
     sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
@@ -221,5 +205,10 @@ def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
     raw = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(raw) == STEPS  # the resume truncated to its checkpoint: no step logged twice
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
+    for start in (e for e in read_events(run_dir) if e["event"] == "start"):  # both attempts
+        assert (start["world_size"], start["backend"]) == (2, "gloo")
+        assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
     wait_state(sub.job_id, "COMPLETED")
     assert jobs.requeue_count(sub.job_id) == 1
+    nodes = subprocess_out(["sacct", "-n", "-X", "-j", sub.job_id, "-o", "NodeList%40"])
+    assert nodes.strip() == "mpn[1-2]", nodes

@@ -13,7 +13,6 @@ import torch
 
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sglang import protocol as P
-from megapkl.rollout.sglang.client import request_seed
 from megapkl.rollout.sglang.weights import buckets, serialize_named_tensors
 
 
@@ -31,24 +30,36 @@ def _item(ids, logps, *, top=None, version="3", finish=None, experts=None):
 def test_generate_payload_fields_and_values():
     s = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5, topk_logprobs=3,
                        stop_token_ids=(2, 9), return_routed_experts=True)
-    body = P.generate_payload([5, 6], s, n=4, seed=11)
+    common = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+              "ignore_eos": False, "stop_token_ids": [2, 9]}
+    body = P.generate_payload([5, 6], s, n=4)  # no seed: one request with n
     assert body["input_ids"] == [5, 6] and body["logprob_start_len"] == -1
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 3
-    assert body["return_routed_experts"] is True
-    assert body["sampling_params"] == {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9,
-                                       "top_k": 5, "ignore_eos": False, "n": 4,
-                                       "stop_token_ids": [2, 9], "sampling_seed": 11}
+    assert body["return_routed_experts"] is True and not P.is_batch(body)
+    assert body["sampling_params"] == {**common, "n": 4}
     assert set(body) <= P.GENERATE_FIELDS and set(body["sampling_params"]) <= P.SAMPLING_FIELDS
+    assert P.generate_payload([5, 6], s, n=4, seed=11)["sampling_params"] == \
+        {**common, "n": 4, "sampling_seed": 11}
+    # to servers that draw from the seed alone: n copies of the prompt, a seed each (SGLang
+    # copies one request's seed to its n samples)
+    seeded = P.generate_payload([5, 6], s, n=4, seed=11, seed_each=True)
+    assert seeded["input_ids"] == [[5, 6]] * 4 and P.is_batch(seeded)
+    assert seeded["sampling_params"] == [{**common, "n": 1, "sampling_seed": P.sample_seed(11, j)}
+                                         for j in range(4)]
+    assert {k: v for k, v in seeded.items() if k not in ("input_ids", "sampling_params")} == \
+        {k: v for k, v in body.items() if k not in ("input_ids", "sampling_params")}
+    single = P.generate_payload([5, 6], s, n=1, seed=11, seed_each=True)  # its seed as given
+    assert single["input_ids"] == [5, 6] and single["sampling_params"]["sampling_seed"] == 11
     plain = P.generate_payload([1], SamplingParams(), n=1)
     assert "top_logprobs_num" not in plain and "return_routed_experts" not in plain
     with pytest.raises(AssertionError, match="undeclared"):
         P.check_fields("pause_generation", {"mode": "abort", "bogus": 1})
 
 
-def test_request_seeds_distinct_and_deterministic():
-    seeds = [request_seed(123, i) for i in range(1000)]
-    assert len(set(seeds)) == 1000 and seeds == [request_seed(123, i) for i in range(1000)]
-    assert request_seed(None, 3) is None and all(0 <= s < 2 ** 31 for s in seeds)
+def test_sample_seeds_distinct_and_deterministic():
+    seeds = [P.sample_seed(123, i) for i in range(1000)]
+    assert len(set(seeds)) == 1000 and seeds == [P.sample_seed(123, i) for i in range(1000)]
+    assert all(0 <= s < 2 ** 31 for s in seeds)
 
 
 def test_decode_logprobs_topk_finish_version():

@@ -18,7 +18,7 @@ import torch
 from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megapkl.rollout.sample import PromptItem
 from megapkl.rollout.sglang import http
-from megapkl.rollout.sglang.fleet import EnginesUnavailable, Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.fleet import EngineHooks, EnginesUnavailable, Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import ServerLaunchError
 
 pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs a POSIX shell")
@@ -136,9 +136,7 @@ def test_trainer_runs_through_router(engine, dist_run, tmp_path):
     from megapkl.train.metrics_log import read_metrics
 
     fleet = engine.fleet
-    fleet._stop.set()  # the trainer's own engine manages the workers meanwhile
-    fleet._thread.join(timeout=60)
-    fleet._stop, fleet._thread = threading.Event(), None
+    _pause_heartbeat(fleet)  # the trainer's own engine manages the workers meanwhile
     urls = json.dumps([w.url for w in engine.fleet.workers])
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.every=0",
@@ -156,6 +154,90 @@ def test_trainer_runs_through_router(engine, dist_run, tmp_path):
     assert [r["staleness/max"] for r in rows] == [0, 1, 0, 1, 0]  # versions as the servers report
     for w in engine.fleet.workers:
         assert http.request(w.url, "model_info", timeout=10)["weight_version"] == "4"
+
+
+def _pause_heartbeat(fleet):
+    """Stop the fixture's heartbeat while another engine drives its workers (start_heartbeat
+    resumes it and resyncs them)."""
+    fleet.stop_heartbeat()
+    fleet._stop, fleet._thread = threading.Event(), None
+
+
+def _left_over(threads_before, groups_before, deadline_s=10.0):
+    """(threads, process groups) that appeared since and are still there; a shut request pool's
+    idle threads and an aborted group's destroy take a moment to go."""
+    from torch.distributed import distributed_c10d as c10d
+
+    t0 = time.monotonic()
+    while True:
+        threads = [t.name for t in threading.enumerate() if t not in threads_before]
+        groups = set(c10d._world.pg_names.values()) - groups_before
+        if not (threads or groups) or time.monotonic() - t0 > deadline_s:
+            return threads, groups
+        time.sleep(0.1)
+
+
+def test_closed_engines_leave_no_thread_group_or_membership(engine, reference):
+    """An engine over the fixture's servers, after a normal run (a distributed sync; seeded
+    groups sent as to servers under --enable-deterministic-inference, a seed per response) and
+    after a failed push (a bucket the servers refuse once received): close leaves none of its
+    threads or process groups, and the servers have left its groups. (Its launched servers: see
+    the fixture's teardown and the next test.)"""
+    from torch.distributed import distributed_c10d as c10d
+
+    from megapkl.rollout.sglang.client import SGLangEngine
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
+
+    fleet = engine.fleet
+    _pause_heartbeat(fleet)
+    threads, groups = set(threading.enumerate()), set(c10d._world.pg_names.values())
+    seeded = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
+    try:
+        for failing in (False, True):
+            eng = SGLangEngine(Fleet([Worker(w.url) for w in fleet.workers], deterministic=True,
+                                     health=HealthSettings(interval_s=0.5, timeout_s=10)),
+                               _hf(), WeightSync(SyncSettings(mode="distributed", timeout_s=60)))
+            eng.update_weights(_weights(reference, 41), version=41)
+            out = eng.generate(_prompts(2), n=3, sampling=seeded)
+            assert len(out) == 6 and {x.version for x in out} == {41}
+            assert len({tuple(x.response_ids.tolist()) for x in out[:3]}) > 1  # own seeds
+            name = eng.sync._group[2]
+            if failing:
+                with pytest.raises(WeightUpdateError, match="model.layers.0.bogus"):
+                    eng.update_weights([("model.layers.0.bogus", torch.zeros(3))], version=42)
+                assert eng.sync._group is None and name not in c10d._world.pg_names.values()
+            eng.close()
+            assert _left_over(threads, groups) == ([], set()), f"failing={failing}"
+            for w in fleet.workers:  # the server left the group: it has none of that name
+                with pytest.raises(http.ServerError, match="does not exist"):
+                    http.request(w.url, "destroy_weights_update_group", {"group_name": name},
+                                 timeout=30)
+    finally:
+        fleet.start_heartbeat()
+
+
+STUB = ["{python}", "-c", "import http.server as h, sys\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "h.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()",
+        "{host}", "{port}"]
+
+
+def test_servers_launched_for_an_engine_that_fails_to_build_are_stopped(tmp_path):
+    """The fleet is launched, then the engine's constructor raises: the launched server does not
+    outlive the error."""
+    import psutil
+
+    cfg = _cfg(tmp_path, [f"rollout.sglang.server_command={json.dumps(STUB)}",
+                          "rollout.sglang.num_engines=1", "rollout.sglang.use_router=false",
+                          "rollout.sglang.base_port=30400"])
+    cfg.rollout.sglang.max_concurrency = 0  # past the config's check: the request pool refuses it
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    with pytest.raises(ValueError, match="max_workers"):
+        _build(cfg)
+    assert [p.cmdline() for p in me.children(recursive=True) if p.pid not in before] == []
 
 
 def _signal_soon(proc, sig, delay):
@@ -260,6 +342,22 @@ def test_no_engine_for_too_long_names_engines_and_logs(tmp_path):
 
 
 
+def test_a_fleet_fails_loudly_before_an_engine_binds_it():
+    """The engine's hooks (resync, restarted, asleep) come once, by bind; a fleet used before
+    has no way to probe or resync a server, and says so."""
+    w = Worker("http://127.0.0.1:9", state="ready")
+    fleet = Fleet([w], health=HealthSettings(timeout_s=1))
+    for use in (fleet.start_heartbeat, lambda: fleet.report_failure(w.url, OSError("reset"))):
+        with pytest.raises(RolloutEngineError, match="before an engine bound its hooks"):
+            use()
+    hooks = EngineHooks(resync=lambda ws: None, restarted=lambda w: None, asleep=lambda u: False)
+    fleet.bind(hooks)
+    with pytest.raises(RolloutEngineError, match="bound to an engine already"):
+        fleet.bind(hooks)
+    fleet.report_failure(w.url, OSError("reset"))  # bound: nobody answers there, it is dead
+    assert w.state == "dead"
+
+
 def test_weights_wait_for_a_server_still_starting(tmp_path):
     """A push finds no server ready yet (still starting, or slow on a busy machine): it waits up to
     no_engine_timeout_s for one to answer, as a request does. Before: EnginesUnavailable at once,
@@ -283,6 +381,8 @@ def test_weights_wait_for_a_server_still_starting(tmp_path):
     w = Worker(f"http://127.0.0.1:{port}")  # stale: no weights yet
     fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=0.3, interval_s=0.05,
                                              timeout_s=2))
+    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
+                           asleep=lambda url: False))
     with pytest.raises(EnginesUnavailable, match="no_engine_timeout_s"):
         with fleet.weight_targets():
             pass
@@ -317,9 +417,9 @@ def test_a_stopping_run_waits_for_no_server_and_restarts_none(tmp_path):
 
     spec = ServerSpec(0, "http://127.0.0.1:9", ["true"], tmp_path / "engine0.log")
     w = Worker(spec.url, spec=spec, state="dead", last_error="killed by SIGTERM")
-    fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=600, interval_s=0.1))
     stopping = threading.Event()
-    fleet.stopping = stopping.is_set
+    fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=600, interval_s=0.1),
+                  stopping=stopping.is_set)
     threading.Timer(0.5, stopping.set).start()
     t0 = time.monotonic()
     with pytest.raises(EnginesUnavailable, match="the run is stopping") as info:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sglang_fixtures import free_port, http
-from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.fleet import EngineHooks, Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import ServerProcess, ServerSpec, wait_healthy
 
 
@@ -27,6 +27,11 @@ def _start(tmp_path: Path, name: str, port: int, *extra: str, env=None) -> Serve
     wait_healthy(proc, url, first_wait_s=0, interval_s=0.2, timeout_s=30, deadline_s=240,
                  route="model_info")
     return proc
+
+
+def _hooks(resync=lambda ws: None, asleep=lambda url: False) -> EngineHooks:
+    """What an engine would bind: here the test's own resync record and released set."""
+    return EngineHooks(resync=resync, restarted=lambda w: None, asleep=asleep)
 
 
 @pytest.fixture
@@ -45,7 +50,7 @@ def test_a_released_server_is_never_sent_a_generation(tmp_path, procs):
     procs.append(w.process)
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=30, max_failures=1))
     released: set[str] = set()
-    fleet.asleep = lambda url: url in released
+    fleet.bind(_hooks(asleep=lambda url: url in released))
     assert http("POST", w.url + "/release_memory_occupation", {})[0] == 200
     released.add(w.url)
     for _ in range(3):
@@ -68,6 +73,7 @@ def test_a_long_disk_load_does_not_get_its_server_killed(tmp_path, procs):
     procs.append(proc)
     w = Worker(f"http://127.0.0.1:{port}", process=proc, state="ready")
     fleet = Fleet([w], health=HealthSettings(interval_s=0.2, timeout_s=30, max_failures=2))
+    fleet.bind(_hooks())
     fleet.start_heartbeat()
     try:
         with fleet.weight_targets() as targets:
@@ -77,8 +83,7 @@ def test_a_long_disk_load_does_not_get_its_server_killed(tmp_path, procs):
         assert status == 400, body  # the load ran (and found no checkpoint) on a live server
         time.sleep(1.0)  # a beat after the push
     finally:
-        fleet._stop.set()  # the heartbeat only (the process is the fixture's)
-        fleet._thread.join(timeout=60)
+        fleet.stop_heartbeat()  # the heartbeat only (the process is the fixture's)
     assert w.process.alive() and w.state == "ready", (w.describe(), fleet.events)
 
 
@@ -92,7 +97,7 @@ def test_a_foreign_server_on_a_killed_servers_port_is_never_admitted(tmp_path, p
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=30, max_failures=1))
     fleet.version = 1
     synced: list[str] = []
-    fleet.resync = lambda ws: synced.extend(x.url for x in ws)
+    fleet.bind(_hooks(resync=lambda ws: synced.extend(x.url for x in ws)))
     fleet.beat()
     assert w.state == "ready" and w.identity is not None, w.describe()
     first.stop(grace_s=1.0)
@@ -120,7 +125,7 @@ def test_a_launched_server_whose_port_is_taken_is_not_admitted(tmp_path, procs):
                                              deadline_s=240, max_restarts=1))
     fleet.version = 1
     synced: list[str] = []
-    fleet.resync = lambda ws: synced.extend(x.url for x in ws)
+    fleet.bind(_hooks(resync=lambda ws: synced.extend(x.url for x in ws)))
     fleet.beat()
     assert w.state != "ready" and not synced, (w.describe(), synced)
     assert "the port is taken" in w.last_error, (w.last_error, fleet.events)

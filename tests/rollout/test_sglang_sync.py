@@ -90,10 +90,14 @@ def test_failed_update_names_server_and_lets_generation_continue(server, tmp_pat
     sync = WeightSync(SyncSettings(mode="tensor", timeout_s=30))
     with pytest.raises(WeightUpdateError, match="unknown weight 'model.bogus'") as info:
         sync.push([Target(server.url)], _weights(), version=1)
-    assert server.url in str(info.value)
+    assert server.url in str(info.value) and info.value.unreachable is None  # refused: alive
     st = server.state()
     assert st["routes"][-1] == "continue_generation" and not st["paused"]
     assert st["version"] is None
+    dead = "http://127.0.0.1:9"  # nobody listens: the error names the server that is gone
+    with pytest.raises(WeightUpdateError, match="127.0.0.1:9") as info:
+        sync.push([Target(dead)], _weights(), version=1)
+    assert info.value.unreachable == dead
 
 
 def test_colocated_release_then_resume_before_the_push(server):

@@ -108,6 +108,22 @@ def test_generate_prompt_major_and_equal_to_engine(dense, dense_model):
     assert status == 200 and isinstance(one, dict) and one["meta_info"]["id"] == "x"
 
 
+def test_a_group_sent_as_seeded_copies_draws_each_copy_from_its_seed(dense):
+    """megapkl's client sends a seeded group as n copies of the prompt with a seed each (SGLang
+    gives all samples of one request its seed): every copy is drawn as if it had come alone."""
+    def sp(seed):
+        return {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}
+
+    seeds = (11, 12, 13, 14)
+    status, out = dense.post("/generate", {"input_ids": [[5, 9, 17]] * 4,
+                                           "sampling_params": [sp(s) for s in seeds]})
+    assert status == 200 and len(out) == 4, out
+    alone = [dense.post("/generate", {"input_ids": [5, 9, 17], "sampling_params": sp(s)})[1]
+             for s in seeds]
+    assert [o["output_ids"] for o in out] == [a["output_ids"] for a in alone]
+    assert len({tuple(o["output_ids"]) for o in out}) == 4
+
+
 def test_stop_token_and_prompt_logprobs(dense, dense_model):
     greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     status, out = dense.post("/generate", {"input_ids": [7, 8, 9], "sampling_params": greedy,

@@ -2,13 +2,12 @@
 (and sglang-router) with the flags of `rollout.sglang` and wait until they are healthy."""
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
@@ -19,7 +18,8 @@ from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, loc
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
 from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
-from megapkl.rollout.sglang.served import Expected, check_served, expected
+from megapkl.rollout.sglang.served import (DETERMINISTIC, Expected, check_served, draws_from_seed,
+                                           expected)
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
                                             identity)
 
@@ -153,53 +153,56 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                          replica=replica, slots=slots, replicas=ctx.replicas,
                          gpus_per_node=None if slots is None else node_gpus())
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
-    fleet = Fleet(workers, health=health)
+    router: Optional[ServerProcess] = None
+    router_url: Optional[str] = None
     try:
         for w in workers:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
             port, metrics = router_ports(sg, replica, ctx.replicas)
-            url = f"http://{local_address(sg.host)}:{port}"
-            fleet.router = ServerProcess("router", url, router_command(
+            router_url = f"http://{local_address(sg.host)}:{port}"
+            router = ServerProcess("router", router_url, router_command(
                 sg, [w.url for w in workers], sg.host, port, metrics),
                 work / "logs" / "router.log").start()
-            fleet.router_url = url
-            _wait_all([fleet.router], health, "rollout.sglang: sglang-router")
+            _wait_all([router], health, "rollout.sglang: sglang-router")
     except BaseException:
-        fleet.close()
+        for p in [*(w.process for w in workers), router]:
+            if p is not None:
+                p.stop()
         raise
-    return fleet
+    return Fleet(workers, health=health, router=router, router_url=router_url,
+                 stopping=ctx.stopping, deterministic=DETERMINISTIC in sg.extra_args)
 
 
-def connect_fleet(sg: Any, want: Expected) -> Fleet:
+def connect_fleet(sg: Any, want: Expected, stopping: Callable[[], bool] = lambda: False) -> Fleet:
     """Servers someone else started: each must answer /health within startup_timeout_s and
-    serve what `want` asks (served.py); the router only /health."""
+    serve what `want` asks (served.py); the router only /health. `stopping`: the run is stopping
+    (EngineContext.stopping)."""
     from urllib.parse import urlsplit
 
     for i, u in enumerate(sg.urls):  # before any server is waited for
         refuse_remote_tensor_sync(sg.weight_sync, urlsplit(u).hostname or "",
                                   f"rollout.sglang.urls[{i}]")
     health = health_settings(sg)
-    fleet = Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url)
     # (config key, url, is a server whose flags and model must match)
     named = [(f"rollout.sglang.urls[{i}]", u, True) for i, u in enumerate(sg.urls)]
     if sg.router_url:
         named.append(("rollout.sglang.router_url", sg.router_url, False))
 
-    def one(key_url: tuple[str, str, bool]) -> None:
+    def one(key_url: tuple[str, str, bool]) -> dict:
         key, url, is_server = key_url
         try:
             wait_healthy(None, url, first_wait_s=0.0, interval_s=min(health.interval_s, 1.0),
                          timeout_s=health.timeout_s, deadline_s=health.deadline_s, what=key)
         except ServerLaunchError as exc:
             raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
-        if is_server:
-            check_served(key, url, want, timeout_s=health.timeout_s)
+        return check_served(key, url, want, timeout_s=health.timeout_s) if is_server else {}
     with ThreadPoolExecutor(len(named)) as pool:
-        for f in [pool.submit(one, x) for x in named]:
-            f.result()
-    return fleet
+        infos = [f.result() for f in [pool.submit(one, x) for x in named]]
+    return Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url,
+                 stopping=stopping,
+                 deterministic=any(draws_from_seed(i) for i in infos))
 
 
 def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
@@ -210,7 +213,8 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     <run_dir>/sglang/replica<r>/. The trainer pushes versions already quantized under
     rollout.fp8 (where it writes them); `transform` is applied to each bucket of a push besides
     (identity by default: pass megapkl.rollout.fp8.sync_transform() to push BF16 weights to an
-    FP8 server yourself)."""
+    FP8 server yourself). The caller owns the engine: `close()` it (a run holds it in its run
+    context); should the engine not come to be, the servers launched for it are stopped."""
     sg = rollout.sglang
     hf_config = {**ctx.hf_config,
                  "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
@@ -218,16 +222,16 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
     if sg.urls:
-        fleet = connect_fleet(sg, expected(rollout, ctx))
+        fleet = connect_fleet(sg, expected(rollout, ctx), stopping=ctx.stopping)
     else:
         fleet = launch_fleet(rollout, ctx, hf_config, work, tokenizer)
-    fleet.stopping = ctx.stopping
-    sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
-                      transform=transform or identity,
-                      hf_config=hf_config)
-    engine = SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
-                          answers=AnswerStore(work / "answered.pt"),
-                          max_concurrency=sg.max_concurrency,
-                          request_timeout_s=sg.request_timeout_s, max_retries=sg.max_retries)
-    atexit.register(engine.close)
-    return engine
+    try:
+        sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
+                          transform=transform or identity, hf_config=hf_config)
+        return SGLangEngine(fleet, hf_config, sync, tokenizer=tokenizer,
+                            answers=AnswerStore(work / "answered.pt"),
+                            max_concurrency=sg.max_concurrency,
+                            request_timeout_s=sg.request_timeout_s, max_retries=sg.max_retries)
+    except BaseException:
+        fleet.close()  # the servers launched for an engine that never came to be
+        raise

@@ -27,6 +27,10 @@ Identity: a worker's `/server_info` `startup_time` (SGLang's tokenizer manager s
 when it is admitted. A server answering under the URL that started before we launched our process
 there, or whose startup time changed, is another process (another job's server on a reused port):
 it is never synced, admitted or sent requests.
+
+What the fleet asks of others it takes when made: `stopping` (the run is stopping) as a
+constructor argument, and the engine's `EngineHooks` (resync, restarted, asleep) once, by `bind`,
+when the engine that drives it is made; a fleet used before that raises.
 """
 from __future__ import annotations
 
@@ -83,26 +87,49 @@ class Worker:
         return f"{self.url} ({self.state}{log}){err}"
 
 
+@dataclass(frozen=True)
+class EngineHooks:
+    """What the fleet asks of the engine that drives it (`Fleet.bind`, by SGLangEngine)."""
+
+    resync: Callable[[list[Worker]], None]  # push the current weights to these workers
+    restarted: Callable[[Worker], None]  # a fresh server: nothing released, in no update group
+    asleep: Callable[[str], bool]  # the server's memory is handed to the trainer (colocated)
+
+
 @dataclass
 class Fleet:
     workers: list[Worker]
     health: HealthSettings = field(default_factory=HealthSettings)
     router_url: Optional[str] = None
-    router: Optional[ServerProcess] = None
+    router: Optional[ServerProcess] = None  # the router process, when megapkl launched it
+    stopping: Callable[[], bool] = lambda: False  # the run is stopping (EngineContext.stopping)
+    # the servers run --enable-deterministic-inference: they draw from sampling_seed alone
+    deterministic: bool = False
     connections: http.Connections = field(default_factory=http.Connections)
 
     def __post_init__(self) -> None:
         self.lock = threading.RLock()  # held by syncs, re-admissions and state changes
         self.version: Optional[int] = None
-        self.resync: Optional[Callable[[list[Worker]], None]] = None  # set by the engine
-        self.restarted: Optional[Callable[[Worker], None]] = None  # set by the engine
-        self.asleep: Callable[[str], bool] = lambda url: False  # memory released (the engine)
-        self.stopping: Callable[[], bool] = lambda: False  # the run is stopping (EngineContext)
+        self._hooks: Optional[EngineHooks] = None
         self._rr = 0
         self._pushes = 0  # bumped when a weight push takes the lock and when it leaves it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.events: list[tuple[float, str, str]] = []  # (time, url, what) for logs and tests
+
+    def bind(self, hooks: EngineHooks) -> None:
+        """Take the hooks of the engine that drives this fleet (once: one engine per fleet)."""
+        if self._hooks is not None:
+            raise RolloutEngineError("the SGLang fleet is bound to an engine already; build a "
+                                     "fleet per engine")
+        self._hooks = hooks
+
+    @property
+    def hooks(self) -> EngineHooks:
+        if self._hooks is None:
+            raise RolloutEngineError("the SGLang fleet is used before an engine bound its hooks "
+                                     "(SGLangEngine(fleet, ...) binds them)")
+        return self._hooks
 
     # ------------------------------------------------------------------ states
     def ready(self) -> list[Worker]:
@@ -227,7 +254,7 @@ class Fleet:
         if w.process is not None and not w.process.alive():
             return False
         with w.probe:
-            route = "model_info" if self.asleep(w.url) else "health_generate"
+            route = "model_info" if self.hooks.asleep(w.url) else "health_generate"
             try:
                 http.request(w.url, route, timeout=self.health.timeout_s,
                              connections=self.connections)
@@ -313,9 +340,8 @@ class Fleet:
                     return
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")
-                if self.restarted is not None:
-                    with self.lock:  # not in the middle of a sync
-                        self.restarted(w)  # a fresh server: nothing released, in no group
+                with self.lock:  # not in the middle of a sync
+                    self.hooks.restarted(w)  # a fresh server: nothing released, in no group
                 w.launched_at, w.identity = time.time(), None
                 w.process = w.spec.process().start()
                 try:
@@ -340,10 +366,10 @@ class Fleet:
                 self._declare_dead(w, why)
                 return
             with self.lock:
-                if self.version is None or self.resync is None or w.state == "ready":
+                if self.version is None or w.state == "ready":
                     return  # (an engine-wide push may have admitted it meanwhile)
                 try:
-                    self.resync([w])
+                    self.hooks.resync([w])
                 except Exception as exc:  # noqa: BLE001 - stays stale, retried next beat
                     w.last_error = f"resync failed: {exc}"
                     self._event(w, w.last_error)
@@ -351,6 +377,7 @@ class Fleet:
                 self.admit([w])
 
     def start_heartbeat(self) -> None:
+        _ = self.hooks  # raises on an unbound fleet, whose every beat would fail
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="sglang-heartbeat", daemon=True)
             self._thread.start()
@@ -362,10 +389,15 @@ class Fleet:
             except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive one bad beat
                 self.events.append((time.time(), "-", f"heartbeat error: {exc}"))
 
-    def close(self) -> None:
+    def stop_heartbeat(self) -> None:
+        """No beat (and so no resync or restart) runs once this returns."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.health.timeout_s + 5)
+
+    def close(self) -> None:
+        """The heartbeat stopped, the servers and the router megapkl launched stopped."""
+        self.stop_heartbeat()
         for w in self.workers:
             if w.process is not None:
                 w.process.stop()

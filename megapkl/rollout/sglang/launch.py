@@ -47,7 +47,7 @@ def _die_with_parent(cpus: Optional[Sequence[int]] = None) -> None:  # in the ch
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux: atexit/close still stop the servers
+    except Exception:  # noqa: BLE001 - not Linux: the engine's close still stops the servers
         pass
 
 

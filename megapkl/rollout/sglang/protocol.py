@@ -5,7 +5,12 @@ Everything the client sends is declared here as module-level data (`ROUTES`, `GE
 `SAMPLING_FIELDS`, `REQUEST_FIELDS`) so a test can check it against SGLang's own request classes.
 
 Wire facts (SGLang 0.5.x):
-- `/generate` answers one object per request, or a list in prompt-major order when `n > 1`.
+- `/generate` answers one object per request, or a list in prompt-major order when `n > 1` or
+  for a batch (`input_ids` a list of prompts, `sampling_params` one dict each, in that order).
+- `sampling_seed` is read only under `--enable-deterministic-inference`, and a request's
+  `sampling_params` is copied to each of its `n` samples, seed included: the n responses would all
+  be the same. To such servers a seeded group goes as a batch of n copies of the prompt, with a
+  seed each (`generate_payload(..., seed_each=True)`).
 - `meta_info.output_token_logprobs`: [[logprob, token_id, text|null], ...] per response token;
   `output_top_logprobs`: per response token a list of [logprob, id, text] sorted descending.
 - `meta_info.routed_experts`: base64 of int32 [P + C - 1, num_hidden_layers, top_k] (C counts the
@@ -89,13 +94,22 @@ def check_fields(route: str, body: dict) -> dict:
     if extra:
         raise AssertionError(f"{route}: sends undeclared fields {sorted(extra)}")
     if route == "generate":
-        extra = set(body.get("sampling_params", {})) - SAMPLING_FIELDS
+        sps = body.get("sampling_params", {})
+        extra = set().union(*(sps if isinstance(sps, list) else [sps])) - SAMPLING_FIELDS
         if extra:
             raise AssertionError(f"generate: sends undeclared sampling_params {sorted(extra)}")
     return body
 
 
 # ---------------------------------------------------------------- /generate request
+
+def sample_seed(seed: int, index: int) -> int:
+    """The sampling_seed of response `index` of a prompt seeded `seed` (a splitmix-style mix:
+    distinct per index, below 2**31)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 29)) & 0x7FFFFFFF
+
 
 def sampling_payload(sampling: SamplingParams, n: int, seed: Optional[int]) -> dict[str, Any]:
     """SGLang `sampling_params` for one prompt's `n` responses."""
@@ -115,12 +129,23 @@ def sampling_payload(sampling: SamplingParams, n: int, seed: Optional[int]) -> d
 
 
 def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int,
-                     seed: Optional[int] = None) -> dict[str, Any]:
+                     seed: Optional[int] = None, seed_each: bool = False) -> dict[str, Any]:
     """A /generate body: one prompt, `n` responses, log-probs of the response tokens only
-    (`logprob_start_len` -1), top-K when `sampling.topk_logprobs`, routed experts when asked."""
+    (`logprob_start_len` -1), top-K when `sampling.topk_logprobs`, routed experts when asked.
+
+    One request with `n`, unless `seed_each` (servers that draw from the seed alone) with a
+    `seed` and n > 1: then a batch of n copies of the prompt whose response j is seeded
+    `sample_seed(seed, j)` (n = 1 each), since SGLang gives every sample of one request the
+    request's seed."""
+    ids = [int(i) for i in prompt_ids]
+    if seed_each and seed is not None and n > 1:
+        prompts: Any = [ids] * n
+        params: Any = [sampling_payload(sampling, 1, sample_seed(seed, j)) for j in range(n)]
+    else:
+        prompts, params = ids, sampling_payload(sampling, n, seed)
     body: dict[str, Any] = {
-        "input_ids": [int(i) for i in prompt_ids],
-        "sampling_params": sampling_payload(sampling, n, seed),
+        "input_ids": prompts,
+        "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
         "stream": False,
@@ -130,6 +155,12 @@ def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int
     if sampling.return_routed_experts:
         body["return_routed_experts"] = True
     return check_fields("generate", body)
+
+
+def is_batch(body: dict) -> bool:
+    """A /generate body with one sampling_params per sample (`seed_each`): sglang-router 0.3.2
+    refuses those (HTTP 422, it reads sampling_params as one object)."""
+    return isinstance(body.get("sampling_params"), list)
 
 
 # ---------------------------------------------------------------- /generate response

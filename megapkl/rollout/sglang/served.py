@@ -68,9 +68,17 @@ def mismatches(server_info: dict, model_info: dict, want: Expected) -> list[str]
     return out
 
 
-def check_served(key: str, url: str, want: Expected, *, timeout_s: float) -> None:
-    """ServerLaunchError in one line when the server at `url` (config key `key`) does not serve
-    what `want` asks, or does not say what it serves."""
+DETERMINISTIC = "--enable-deterministic-inference"  # SGLang reads sampling_seed only then
+
+
+def draws_from_seed(server_info: dict) -> bool:
+    """Was the server started with DETERMINISTIC (its /server_info says so)?"""
+    return server_info.get("enable_deterministic_inference") is True
+
+
+def check_served(key: str, url: str, want: Expected, *, timeout_s: float) -> dict:
+    """The server's /server_info; ServerLaunchError in one line when the server at `url` (config
+    key `key`) does not serve what `want` asks, or does not say what it serves."""
     try:
         info = http.request(url, "server_info", timeout=timeout_s)
         model = http.request(url, "model_info", timeout=timeout_s)
@@ -84,3 +92,4 @@ def check_served(key: str, url: str, want: Expected, *, timeout_s: float) -> Non
     if found:
         raise ServerLaunchError(f"{key}: {url} was started with " + "; ".join(found)
                                 + ": restart it with the run's flags or change the config")
+    return info

@@ -285,7 +285,7 @@ class WeightSync:
         if not targets:
             raise WeightUpdateError("weight sync: no server to update")
         paused: list[Target] = []
-        session = False
+        session = failed = False
         try:
             for t in targets:
                 self._call(t.url, "pause_generation", {"mode": self.s.pause_mode})
@@ -301,12 +301,17 @@ class WeightSync:
             self._all(targets, "update_weight_version",
                       lambda t: {"new_version": str(version), "abort_all_requests": False})
         except (http.ServerError, http.ServerUnreachable) as exc:
-            self._group = None  # a failed broadcast leaves the group unusable
-            err = WeightUpdateError(f"weight sync to version {version} failed: {exc}")
-            err.unreachable = getattr(exc, "url", None) if isinstance(
-                exc, http.ServerUnreachable) else None  # a dead server, not a bad weight
-            raise err from exc
+            failed = True  # no collective waits on the group: it is left below, in order
+            dead = exc.url if isinstance(exc, http.ServerUnreachable) else None
+            raise WeightUpdateError(f"weight sync to version {version} failed: {exc}",
+                                    unreachable=dead) from exc
+        except BaseException:
+            # anything else (a broadcast timeout, an interrupt) may leave a collective waiting
+            self.close_group(pending=True)
+            raise
         finally:
+            if failed:  # a failed sync leaves the group unusable: destroyed, servers told to leave
+                self.close_group()
             for t in paused if session else ():  # a failed sync must not leave a session open
                 try:
                     self._call(t.url, "end_weight_update")
@@ -317,6 +322,11 @@ class WeightSync:
                     self._call(t.url, "continue_generation")
                 except (http.ServerError, http.ServerUnreachable):
                     pass  # a dead server is the fleet's business; the others must go on
+
+    def close(self) -> None:
+        """Leave the weight-update group: ours destroyed, every member told to leave it (best
+        effort). Idempotent; a later distributed push makes a new group."""
+        self.close_group()
 
     def release_memory(self, targets: Sequence[Target]) -> None:
         """Colocated: hand the servers' GPU memory (weights, KV cache) to the trainer."""
