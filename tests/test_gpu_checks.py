@@ -133,3 +133,27 @@ def test_the_lifecycle_check_runs_its_code_paths_on_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     assert [r["check"] for r in rows] == ["update_group", "free_before_resume"]
     assert all(r["ok"] and r["skipped"] for r in rows), rows
+
+
+def test_the_train_checks_probes_take_what_the_learner_is_called_with():
+    """train_gpu.py wraps `Learner.pack` and `Learner.train_step` to time and count them: every
+    argument the learner's own signature accepts must pass through the wrappers, or the check dies
+    on its first GPU step (as it did when `train_step` gained `record=`)."""
+    import inspect
+
+    from megapkl.train.learner import Learner
+
+    spec = importlib.util.spec_from_file_location("train_gpu", CHECKS / "train_gpu.py")
+    train_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpu)
+    for method, wrapper in (("train_step", train_gpu.Probe._timed_step),
+                            ("pack", train_gpu.Probe._counted_pack)):
+        wanted = list(inspect.signature(getattr(Learner, method)).parameters.values())[1:]
+        taken = inspect.signature(wrapper).parameters
+        rest = list(taken.values())[2:]  # after (self, inner)
+        if any(p.kind is p.VAR_KEYWORD for p in rest):
+            rest_names = {p.name for p in rest}
+            assert all(p.name in rest_names or p.kind is p.KEYWORD_ONLY
+                       or p.default is not p.empty for p in wanted), (method, wanted, rest)
+        else:
+            assert [p.name for p in rest] == [p.name for p in wanted], (method, wanted, rest)

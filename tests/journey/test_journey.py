@@ -61,9 +61,9 @@ COVERAGE = {
     "megapkl cancel JOB": "test_slurm_run_status_logs_cancel_resume",
     f"megapkl submit {PKL} --profile h100 model.hf_checkpoint=/models/Qwen3-1.7B-Base "
     "--if-exists resume": "test_slurm_run_status_logs_cancel_resume (profile local_cpu)",
-    "megapkl sweep configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml --profile h200 "
+    "megapkl sweep configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml --profile h100 "
     "model.hf_checkpoint=/models/Qwen3-1.7B-Base --grid seed=1,2,3":
-        "test_config_show_validate_and_dry_runs (--dry-run: h200 nodes are not here; "
+        "test_config_show_validate_and_dry_runs (--dry-run: h100 nodes are not here; "
         "tests/launch/test_slurm.py runs sweeps on the local cluster)",
     f"megapkl eval {PKL_RUN}": "test_eval_latest_checkpoint_as_in_training",
     f"megapkl eval {PKL_RUN} --step 1400 --benchmarks math500 aime24 eval.n_samples=32":
@@ -267,7 +267,7 @@ def test_config_show_validate_and_dry_runs(work):
     assert f"# run_dir: {work / PKL_RUN}" in script
     assert "#SBATCH --nodes=1" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --constraint=h100" in script
-    sweep = ("megapkl sweep configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml --profile h200 "
+    sweep = ("megapkl sweep configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml --profile h100 "
              "model.hf_checkpoint=/models/Qwen3-1.7B-Base --grid seed=1,2,3")
     listing = megapkl(*doc(sweep, **models(work)), "--dry-run").ok().out
     for seed in (1, 2, 3):  # the run directories the doc promises
