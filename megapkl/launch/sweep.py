@@ -27,9 +27,9 @@ from megapkl.launch.plan import check_fleet
 from megapkl.launch.runconfig import prepare_run
 from megapkl.launch.submit import (IfExists, LaunchError, _now, _read_json, _write_json,
                                    check_container, check_mounts, job_profile, make_executor,
-                                   make_spec, prepare_run_dir, read_metrics, record_job, resume_overrides, sbatch_parameters,
-                                   sbatch_script, shape_overrides, with_dedicated_tasks,
-                                   write_run_files)
+                                   make_spec, prepare_run_dir, read_metrics, record_job,
+                                   resume_overrides, sbatch_parameters, sbatch_script,
+                                   shape_overrides, with_dedicated_tasks, write_run_files)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 SUMMARY_METRICS = ("loss", "reward/mean", "train/accuracy", "kl/prox_k3", "x")

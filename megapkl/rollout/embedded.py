@@ -443,7 +443,7 @@ class EmbeddedEngine(RolloutEngine):
     def _generate_rows(self, prompt_ids: list[Tensor], sampling: SamplingParams,
                        draws: Tensor) -> list[dict]:
         """Decode one left-padded batch; returns per row the response and its per-token records.
-        `draws`: int64 [rows], each row's seed (its uniform at step t is seeds.uniforms(draws, t))."""
+        `draws`: int64 [rows], each row's seed (its step-t uniform: seeds.uniforms(draws, t))."""
         batch = len(prompt_ids)
         ids, mask, pos = self._left_pad(prompt_ids)
         want_experts = sampling.return_routed_experts

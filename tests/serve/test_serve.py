@@ -421,6 +421,9 @@ def test_pause_retract_redoes_with_new_weights(dense, dense_model):
 
 def test_pause_in_place_keeps_request_across_update(dense, dense_model):
     thread, result = _generate_async(dense)
+    deadline = time.monotonic() + 60  # a token decoded before the pause: a non-empty first span
+    while dense.state._step < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert dense.post("/pause_generation", {"mode": "in_place"})[0] == 200
     assert dense.state.busy()  # parked, not finished
     status, _ = dense.post("/flush_cache")
