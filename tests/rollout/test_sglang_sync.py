@@ -5,6 +5,9 @@ weight and memory routes and joins the broadcast group on its side. End-to-end s
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +279,32 @@ def test_the_update_group_is_never_split_from_a_bound_default_group():
     out = subprocess.run([sys.executable, "-c", _BOUND_DEFAULT_GROUP], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+SIGNALED_MANAGER = r"""
+import gc, os, signal, subprocess, time
+import torch
+from megapkl.rollout.sglang.weights import serialize_named_tensors
+_, alive = serialize_named_tensors([("w", torch.randn(1000))])
+managers = subprocess.run(["pgrep", "-f", "torch_shm_manager", "-P", str(os.getpid())],
+                          capture_output=True, text=True).stdout.split()
+assert managers, "no shared-memory manager was started"
+for pid in managers:  # what a preemption or scancel does to every process of the step
+    os.kill(int(pid), signal.SIGTERM)
+time.sleep(0.5)
+del alive
+gc.collect()
+_, alive = serialize_named_tensors([("w", torch.randn(1000))])
+del alive
+print("alive")
+"""
+
+
+def test_a_job_signal_to_torchs_shared_memory_manager_does_not_abort_the_trainer():
+    """The tensor sync's shared memory is tracked by torch's `torch_shm_manager`, a child of
+    the trainer that a preemption's SIGTERM reaches too. If it dies, the next freed segment aborts
+    the trainer (`std::system_error: Broken pipe`, exit 134) before its preemption checkpoint;
+    started deaf to job signals (megapkl/rollout/shm.py), it outlives them."""
+    out = subprocess.run([sys.executable, "-c", SIGNALED_MANAGER], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and "alive" in out.stdout, (out.returncode, out.stderr[-2000:])

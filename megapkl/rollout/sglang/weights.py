@@ -50,6 +50,7 @@ from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
+from megapkl.rollout.shm import ensure_manager
 from megapkl.rollout.version_store import StoredVersion
 
 NamedTensors = list[tuple[str, Tensor]]
@@ -87,6 +88,7 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tens
     import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
 
+    ensure_manager()  # torch's shared-memory helper, started so a job signal cannot kill it
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
