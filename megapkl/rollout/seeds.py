@@ -7,25 +7,24 @@ is what keeps a parallel layout from changing the samples, and so `metrics.jsonl
 generator consumed row after row cannot do this: the k-th prompt of a rank's call would draw the
 numbers of the k-th prompt of every other rank's call.
 
-The mixing is splitmix64's finalizer, on Python ints for the per-prompt seeds and on int64 tensors
-(two's-complement wraparound, shifts masked to be logical) for the per-row, per-step uniforms.
+The mixing is a splitmix64 step built on the finalizer SIS's counter-based draws use
+(`megapkl/objectives/sis.py`), on Python ints for the per-prompt seeds and on int64 tensors for the
+per-row, per-step uniforms.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from megapkl.objectives.sis import _GOLDEN, _lsr, _signed, mix64 as _finalize, mix64_int
+
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def mix64(x: int) -> int:
-    """splitmix64 of a Python int: a 64-bit value, well spread over all bits."""
-    z = (x + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * _M1) & _MASK64
-    z = ((z ^ (z >> 27)) * _M2) & _MASK64
-    return z ^ (z >> 31)
+    """One splitmix64 step of a Python int (the golden-ratio increment, then SIS's finalizer):
+    a 64-bit value, well spread over all bits."""
+    return mix64_int(x + _GOLDEN)
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -34,20 +33,9 @@ def prompt_seed(seed: int, index: int) -> int:
     return mix64(mix64(seed & _MASK64) + index + 1) >> 1
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 values (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
 def _mix_tensor(z: Tensor) -> Tensor:
-    z = z + _signed(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _signed(_M1)
-    z = (z ^ _shr(z, 27)) * _signed(_M2)
-    return z ^ _shr(z, 31)
+    """`mix64` on int64 tensors (wrapping arithmetic)."""
+    return _finalize(z + _GOLDEN)
 
 
 def row_seeds(prompt_seeds: list[int], n: int, device: torch.device | str = "cpu") -> Tensor:
@@ -61,4 +49,4 @@ def row_seeds(prompt_seeds: list[int], n: int, device: torch.device | str = "cpu
 def uniforms(rows: Tensor, step: int) -> Tensor:
     """float64 [B] in [0, 1): decoding step `step`'s uniform of each row seed (53 random bits)."""
     z = _mix_tensor(rows ^ _signed(mix64(step)))
-    return _shr(z, 11).to(torch.float64) * 2.0 ** -53
+    return _lsr(z, 11).to(torch.float64) * 2.0 ** -53

@@ -30,6 +30,7 @@ from torch import Tensor
 from megapkl.errors import MegapklError
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import FINISH_REASONS
+from megapkl.rollout.seeds import prompt_seed
 
 # ---------------------------------------------------------------- what the client calls
 
@@ -104,11 +105,9 @@ def check_fields(route: str, body: dict) -> dict:
 # ---------------------------------------------------------------- /generate request
 
 def sample_seed(seed: int, index: int) -> int:
-    """The sampling_seed of response `index` of a prompt seeded `seed` (a splitmix-style mix:
-    distinct per index, below 2**31)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (z ^ (z >> 29)) & 0x7FFFFFFF
+    """The sampling_seed of response `index` of a prompt seeded `seed`: the rollout's own
+    per-item seed mix (`seeds.prompt_seed`), kept below 2**31."""
+    return prompt_seed(seed, index) & 0x7FFFFFFF
 
 
 def sampling_payload(sampling: SamplingParams, n: int, seed: Optional[int]) -> dict[str, Any]:
