@@ -215,13 +215,11 @@ def fresh_samples(trainer, n_prompts: int, max_new: int):
     return samples, export_s
 
 
-UPDATE_PARTS = ("export", "sync", "generate", "reward", "reference", "train", "eval",
-                "checkpoint", "log")
-
-
 def update_split(run_dir: str) -> dict:
     """Median seconds per update and of each part the trainer times (metrics.jsonl `time/*_s`),
     the first update (warm-up) left out: where an update's time goes, next to tokens/s and MFU."""
+    from megapkl.train.timers import NAMES
+
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     rows = rows[1:] or rows
@@ -229,7 +227,7 @@ def update_split(run_dir: str) -> dict:
     def median(key: str) -> float | None:
         vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
         return round(vals[len(vals) // 2], 4) if vals else None
-    parts = {p: median(f"time/{p}_s") for p in UPDATE_PARTS}
+    parts = {p: median(f"time/{p}_s") for p in NAMES}
     return {"update_s": median("time/update_s"),
             "update_split_s": {p: v for p, v in parts.items() if v is not None}}
 
