@@ -194,10 +194,14 @@ class SGLangConfig:
 
     tp: int = field(default=1, metadata=rng(1))  # tensor parallel size of one engine
     ep: int = field(default=1, metadata=rng(1))  # expert parallel size inside an engine (MoE)
-    # Servers per data-parallel replica of the trainer (each replica's leader runs its own fleet).
+    # Servers per data-parallel replica of the trainer (colocated: spread evenly over the nodes
+    # the replica trains on, each node's servers run and refreshed by that node's first rank).
     num_engines: int = field(default=1, metadata=rng(1))
     # Engines share their replica's GPUs; false gives each replica num_engines x tp GPUs of its own.
     colocate: bool = True
+    # Colocated: a fleet on every node of a replica (false: all num_engines on its leader's node,
+    # the other nodes' GPUs generate nothing).
+    every_node: bool = True
     # sglang-router
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
     # GPU memory fraction SGLang reserves for weights and KV cache (its --mem-fraction-static)

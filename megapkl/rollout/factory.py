@@ -61,6 +61,8 @@ class EngineContext:
     tensor: int = 1                  # the trainer's layout (parallel.*): where launched servers
     context: int = 1                 # go on the GPUs beside it (rollout/sglang/placement.py)
     pipeline: int = 1
+    rank: Optional[int] = None       # the global trainer rank building it (None: the replica's
+                                     # leader): a colocated fleet is its node's (placement.py)
     # True once the run is stopping (a stop signal or a preemption on this rank): launched servers
     # may have received the same signal, so nobody waits for them any more
     stopping: Callable[[], bool] = lambda: False
@@ -86,8 +88,22 @@ def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r} (embedded | sglang)")
 
 
+def engine_owners(rollout: Any, lay: Any) -> list[list[tuple[int, int]]]:
+    """For each data-parallel replica of the trainer layout `lay` (placement.TrainerLayout), the
+    global ranks that run one of its engines and the servers each has, in node order: colocated
+    SGLang fleets megapkl launches are their nodes' (rollout/sglang/placement.py); any other
+    engine is the replica leader's alone."""
+    from megapkl.rollout.sglang.placement import fleet_owners
+
+    sg = rollout.sglang
+    if rollout.engine != "sglang" or sg.urls or not sg.colocate:
+        return [[(lay.leader(d), 1)] for d in range(lay.dp)]
+    return [fleet_owners(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
+                         replica=d, every_node=sg.every_node) for d in range(lay.dp)]
+
+
 def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,
-                   replica: int = 0, replicas: int = 1,
+                   replica: int = 0, replicas: int = 1, rank: Optional[int] = None,
                    stopping: Callable[[], bool] = lambda: False) -> EngineContext:
     """The engine context of a run config for a model's HF config mapping."""
     p = cfg.parallel
@@ -96,11 +112,12 @@ def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any
                          hf_checkpoint=cfg.model.hf_checkpoint,
                          routing_replay=cfg.model.routing_replay, device=device, dtype=dtype,
                          replica=replica, replicas=replicas, tensor=p.tensor, context=p.context,
-                         pipeline=p.pipeline, stopping=stopping)
+                         pipeline=p.pipeline, rank=rank, stopping=stopping)
 
 
 def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1,
-                     stopping: Callable[[], bool] = lambda: False) -> RolloutEngine:
+                     stopping: Callable[[], bool] = lambda: False,
+                     rank: Optional[int] = None) -> RolloutEngine:
     """The run's rollout engine for the trainer model `spec`, on the device and in the dtype the
     model dtype calls for (`megapkl.models.provider.engine_placement`); empty: weights come
     through update_weights."""
@@ -110,5 +127,5 @@ def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, repl
     device, dtype = engine_placement(cfg.model.dtype)
     hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1])
     ctx = engine_context(cfg, hf, device=device, dtype=dtype, replica=replica, replicas=replicas,
-                         stopping=stopping)
+                         rank=rank, stopping=stopping)
     return build_engine(cfg.rollout, ctx, tokenizer)

@@ -1,9 +1,11 @@
 """In-training evaluation every `eval.every` updates (and before the first with `eval.at_start`).
 
 Training pauses for it: every rank takes part in writing the current weights into the version
-store (the collective export; the next update does not export them again), each data-parallel
-replica's engine loads them from there and evaluates every dp_size-th prompt of each benchmark, the records are gathered on rank 0, which writes (agreed: a failed write stops every rank) RUN_DIR/eval/step_XXXXXX.json
-(+ .samples.jsonl) and returns the scalars that go into that update's metrics.jsonl row and
+store (the collective export; the next update does not export them again), each engine (a
+data-parallel replica's, or one per node of a replica with colocated fleets there) loads them
+from there and evaluates its share (every n-th prompt of each benchmark, n the run's engines),
+the records are gathered on rank 0, which writes (agreed: a failed write stops every rank)
+RUN_DIR/eval/step_XXXXXX.json (+ .samples.jsonl) and returns the scalars that go into that update's metrics.jsonl row and
 TensorBoard (`eval/<benchmark>/<metric>`, `eval/micro_avg/accuracy`, `eval/version`). The engine
 gets its previous weights back afterwards, so the rollout schedule (and a resumed run) sees the
 same engine state as without evaluation; eval sampling uses its own seeds and leaves the training

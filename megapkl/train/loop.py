@@ -39,6 +39,8 @@ from megapkl.train.agree import Carried, RanksFailed, agreed
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
+from megapkl.rollout.factory import engine_owners
+from megapkl.rollout.sglang.placement import TrainerLayout, ranks_per_node
 from megapkl.train.rollouts import Replica, build_rollout_stage
 from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
@@ -108,7 +110,8 @@ class Trainer:
         self.loop = LoopState(minibatches=cfg.rollout.minibatches_per_batch, dp_rank=g.dp_rank,
                               dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
         self.learner = Learner(cfg, g)
-        replica = Replica.of(g)
+        replica = Replica.of(g, engine_owners(cfg.rollout, TrainerLayout(
+            tp=g.tp_size, cp=g.cp_size, pp=g.pp_size, dp=g.dp_size, per_node=ranks_per_node())))
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
             cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule,
             context.stopping),
@@ -333,7 +336,7 @@ class Trainer:
             return None
         return self.context.hold(Evaluator(
             cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
-            out_dir=self.run_dir / "eval", dp=(self.groups.dp_rank, self.groups.dp_size),
+            out_dir=self.run_dir / "eval", dp=self.rollouts.replica.eval_share,
             rollouts=self.rollouts, export=self.learner.export))
 
     def _start_logs(self) -> MetricsLogger:

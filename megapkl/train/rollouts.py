@@ -3,7 +3,11 @@ advantages -> dynamic sampling, for this data-parallel rank's share of a global 
 
 Every rank walks the same prompt sequence; data-parallel rank d takes its contiguous slice of each
 draw, so the global batch does not depend on the DP size. Within a model-parallel replica (the
-ranks sharing a DP index) only the first rank runs the engine and broadcasts the samples. The
+ranks sharing a DP index) the first rank runs the engine, or with colocated SGLang fleets on every
+node of the replica each node's first rank runs that node's (placement.py): each generates a
+contiguous share of the replica's prompt groups (by its servers) and every rank of the replica
+gets all the samples. A group's draws depend on its global slot and version only, so how the
+groups are shared changes no sample. The
 policy versions the schedule still needs are files of a `VersionStore` (Hugging Face names, block
 FP8 when rollout.fp8), written once by global rank 0 and loaded by each engine through the disk
 path, so stale protocols (controlled staleness, uniform stale) generate from exact old weights
@@ -46,18 +50,51 @@ MAX_ROUNDS = 64  # upper bound of advantage.max_fill_rounds: spaces the group id
 @dataclasses.dataclass(frozen=True)
 class Replica:
     """Where this rank sits among the rollout engines: data-parallel replica `dp_rank` of
-    `dp_size`; its `leader` (first rank) runs the engine and broadcasts the samples over `group`."""
+    `dp_size`, whose `leader` is its first rank; `owners` (global ranks, in node order) run its
+    engines, generating shares of its prompt groups in proportion to `shares` (their servers),
+    and the samples reach every rank of the replica over `group`. `eval_share`: this rank's
+    share of an evaluation among every engine of the run."""
     dp_rank: int = 0
     dp_size: int = 1
     leader: bool = True
     group: Any = None      # the ranks of this replica
     dp_group: Any = None   # one rank of each replica... every rank's data-parallel peers
+    rank: int = 0          # this rank's global rank
+    owners: tuple[int, ...] = (0,)
+    shares: tuple[int, ...] = (1,)
+    eval_share: tuple[int, int] = (0, 1)
+
+    @property
+    def engine(self) -> bool:
+        """Does this rank run an engine?"""
+        return self.rank in self.owners
+
+    def part(self, todo: Sequence[Any], owner: Optional[int] = None) -> list[Any]:
+        """The contiguous share of `todo` the engine of `owner` (default: this rank) generates."""
+        i = self.owners.index(self.rank if owner is None else owner)
+        total, n = sum(self.shares), len(todo)
+        bounds = [n * sum(self.shares[:k]) // total for k in range(len(self.shares) + 1)]
+        return list(todo[bounds[i]:bounds[i + 1]])
 
     @classmethod
-    def of(cls, g: ParallelGroups) -> "Replica":
-        """Collective over the world (every rank builds every replica's group)."""
+    def of(cls, g: ParallelGroups, owners: Optional[Sequence[Sequence[tuple[int, int]]]] = None
+           ) -> "Replica":
+        """Collective over the world (every rank builds every replica's group). `owners`: per
+        replica, [(global rank, servers)] of its engines (rollout.factory.engine_owners; default:
+        the leader's alone)."""
         leader = g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0
-        return cls(g.dp_rank, g.dp_size, leader, replica_group(g), g.dp)
+        group, rank = replica_group(g), dist.get_rank()
+        members = dist.get_process_group_ranks(group)
+        mine = [(members[0], 1)] if owners is None else list(owners[g.dp_rank])
+        if any(r not in members for r, _ in mine):
+            raise RolloutError(
+                f"the engines of data-parallel replica {g.dp_rank} belong to trainer ranks "
+                f"{[r for r, _ in mine]}, but its ranks are {members}: the ranks are not laid out "
+                "as the placement assumes (LOCAL_WORLD_SIZE ranks per node, block by block)")
+        every = [r for fleets in owners for r, _ in fleets] if owners else []
+        share = (every.index(rank), len(every)) if rank in every else (g.dp_rank, g.dp_size)
+        return cls(g.dp_rank, g.dp_size, leader, group, g.dp, rank,
+                   tuple(r for r, _ in mine), tuple(n for _, n in mine), share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +125,10 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
     writer = not dist.is_initialized() or dist.get_rank() == 0
     store = VersionStore(Path(cfg.run_dir) / "policy_versions", writer=writer)
     engine = reward = None
-    if replica.leader:  # the replica's other ranks get the scored samples from it
+    if replica.engine:  # the replica's other ranks get the scored samples from its engines
         reward = hold(build_reward(cfg.reward, cfg.data, tokenizer, task))
         engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size,
-                                       stopping))
+                                       stopping, rank=replica.rank))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=cfg.model.routing_replay)
     ahead = None
@@ -130,9 +167,10 @@ class RolloutStage:
         # After a failed batch or evaluation, the version a checkpoint records as the engine's:
         # the one it held before (None: the next batch loads what it needs).
         self._failed, self._version_before_failure = False, None
-        # Generation ahead (leader only): the engine does one unit of work at a time; `_held` is
-        # the version the engine held after the last unit a batch used (what a checkpoint records).
-        self.ahead = ahead if replica.leader else None
+        # Generation ahead (engines only): the engine does one unit of work at a time; `_held` is
+        # the version a single engine would hold after the last unit a batch used (what a
+        # checkpoint records; the same on every engine of the replica).
+        self.ahead = ahead if replica.engine else None
         self.producer: Optional[Producer] = None
         self._engine_lock, self._held = threading.Lock(), None
 
@@ -145,7 +183,8 @@ class RolloutStage:
         """The engine's version as the rollout schedule left it (generation ahead aside)."""
         if self.engine is None:
             return None
-        return self._held if self.ahead else self.engine.version
+        shared = len(self.replica.owners) > 1  # each engine holds the last version of its share
+        return self._held if self.ahead or shared else self.engine.version
 
     def exclusive(self) -> threading.Lock:
         """Hold the engine between generations (an evaluation pushes its own weights)."""
@@ -220,7 +259,7 @@ class RolloutStage:
         except RanksFailed:
             if self.producer is not None:  # the run stops: no more generation ahead
                 self.producer.stop()
-            if self.leader:  # what this rank's engine answered is there for the resumed run
+            if self.engine is not None:  # what it answered is there for the resumed run
                 self.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
             self.failed_with(held)
@@ -265,23 +304,36 @@ class RolloutStage:
     def _generate(self, batch: int, rnd: int, todo: list[tuple[int, int, int]]
                   ) -> "list[list[Sample]] | RankError":
         """[(dataset index, global group slot, version)] -> samples per group, on every replica
-        rank; what the leader raised travels the same way, as a RankError, so that no rank is
+        rank; what an engine raised travels the same way, as a RankError, so that no rank is
         left alone in a collective."""
-        out: list[Any] = [None]
-        if self.leader:
-            out = [self._unit_here((batch, rnd, tuple(todo)))]
-        g = self.replica.group
-        if g is not None and dist.get_world_size(g) > 1:
-            dist.broadcast_object_list(out, src=dist.get_global_rank(g, 0), group=g)
-        return out[0]
+        r, g = self.replica, self.replica.group
+        mine = None
+        if r.engine:
+            mine = self._unit_here((batch, rnd, tuple(r.part(todo))), todo)
+        if g is None or dist.get_world_size(g) == 1:
+            return mine
+        if len(r.owners) == 1:
+            out = [mine]
+            dist.broadcast_object_list(out, src=r.owners[0], group=g)
+            return out[0]
+        parts: list[Any] = [None] * dist.get_world_size(g)
+        dist.all_gather_object(parts, mine, group=g)
+        shares = [parts[dist.get_group_rank(g, o)] for o in r.owners]
+        failed = [p for p in shares if isinstance(p, RankError)]
+        return failed[0] if failed else [members for p in shares for members in p]
 
     # ------------------------------------------------------------------ units of work (leader)
 
-    def _unit_here(self, key: tuple) -> "list[list[Sample]] | RankError":
-        """The leader's part of `_generate`: the unit `key` (batch, round, todo), generated ahead
-        if it was (rollout.async_batches), else here; its time goes to this batch. The versions it
-        switches to are counted from the one the previous unit used left (`_held`): what the
-        synchronous run loads, however the engine was used in between."""
+    def _unit_here(self, key: tuple, whole: Sequence[tuple[int, int, int]]
+                   ) -> "list[list[Sample]] | RankError":
+        """An engine's part of `_generate`: the unit `key` (batch, round, its share of `whole`),
+        generated ahead if it was (rollout.async_batches), else here; its time goes to this
+        batch. The versions loaded are counted for `whole` from the one the previous unit left
+        (`_held`): what one synchronous engine loads, however the engines were used in between
+        and however the replica's groups were shared."""
+        if not key[2]:  # more engines than groups: nothing here
+            self._count_loads(whole)
+            return []
         got = None
         if self.ahead is not None:
             with self.timers("wait"):
@@ -295,10 +347,13 @@ class RolloutStage:
         self.timers.absorb(timers)
         if error is not None:
             return error
-        order = _load_order(key[2], self._held)
+        self._count_loads(whole)
+        return groups
+
+    def _count_loads(self, whole: Sequence[tuple[int, int, int]]) -> None:
+        order = _load_order(whole, self._held)
         self.versions_loaded += sum(a != b for a, b in zip([self._held, *order], order))
         self._held = order[-1]
-        return groups
 
     def _work(self, key: tuple) -> tuple:
         """(groups, error, its timers) of one unit, with the engine held; the groups are a pure
@@ -336,10 +391,10 @@ class RolloutStage:
         for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):
             idx, versions = prompts.next_indices(self.rollout.prompts_per_batch), \
                 self.ahead.versions_of(b)
-            keys.append((b, 0, tuple((idx[g], g, versions[g]) for g in
-                                     range(r.dp_rank * self.per_rank,
-                                           (r.dp_rank + 1) * self.per_rank))))
-        self.producer.plan(keys)
+            keys.append((b, 0, tuple(r.part([(idx[g], g, versions[g]) for g in
+                                             range(r.dp_rank * self.per_rank,
+                                                   (r.dp_rank + 1) * self.per_rank)]))))
+        self.producer.plan([k for k in keys if k[2]])  # an empty share is generated by nobody
 
     def _generate_here(self, batch: int, rnd: int, todo: Sequence[tuple[int, int, int]],
                        timers: Timers) -> list[list[Sample]]:
@@ -394,7 +449,7 @@ class RolloutStage:
         self.prompts.load_state_dict(state["prompts"])
         v = state["engine_version"]
         if v is not None:
-            agreed(lambda: self.use_version(v) if self.leader else None,
+            agreed(lambda: self.use_version(v) if self.engine is not None else None,
                    what=f"loading policy version {v} into the engines")
             self._held = v
 
@@ -411,7 +466,7 @@ class RolloutStage:
         saved = VersionStore(src, writer=False).versions()
 
         def restore() -> None:
-            if self.leader or self.store.writer:
+            if self.engine is not None or self.store.writer:
                 self.store.restore_from(src, saved)
         agreed(restore, what="restoring the checkpoint's policy versions")
         self.kept = set(saved)

@@ -71,11 +71,11 @@ def tiny_overrides(model: str) -> list[str]:
             "slurm.nodes=null", "slurm.gpus_per_node=null"]
 
 
-def generate_counts(run_dir: Path) -> dict[str, int]:
-    """Successful /generate requests per log under the run's sglang/logs: what the router passed
+def generate_counts(run_dir: Path, fleet: str = "sglang") -> dict[str, int]:
+    """Successful /generate requests per log under the run's <fleet>/logs: what the router passed
     on (its request log) and what each launched server answered (megapkl serve's debug log)."""
     counts = {}
-    for log in sorted((run_dir / "sglang" / "logs").glob("*.log")):
+    for log in sorted((run_dir / fleet / "logs").glob("*.log")):
         text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))  # router: ANSI
         pattern = r"uri=/generate .*status_code=200" if log.stem == "router" else \
             r'"POST /generate HTTP/1.1" 200'

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -17,7 +18,8 @@ from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, loc
                                            releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
-from megapkl.rollout.sglang.placement import PlacementError, Slot, TrainerLayout, fleet_slots
+from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout, fleet_slots,
+                                              ranks_per_node)
 from megapkl.rollout.sglang.served import (DETERMINISTIC, Expected, check_served, draws_from_seed,
                                            expected)
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
@@ -100,21 +102,53 @@ def node_gpus() -> Optional[int]:
     return int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
 
 
+def _layout(ctx: Any) -> TrainerLayout:
+    return TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
+                         per_node=ranks_per_node())
+
+
 def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
-    """Where replica `ctx.replica`'s SGLang servers go on the GPUs (placement.py), from the
-    trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
+    """Where the SGLang servers of this engine go on the GPUs (placement.py): replica
+    `ctx.replica`'s fleet on the node of `ctx.rank` when colocated (default: its leader's), from
+    the trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
     process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
     sg, replica = rollout.sglang, ctx.replica
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-    lay = TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
-                        per_node=per_node)
-    gpus = node_gpus()
     try:
-        return fleet_slots(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=lay,
-                           replica=replica, nodes=max(1, len(slurm_nodes())),
-                           gpus_per_node=gpus)
+        return fleet_slots(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate,
+                           lay=_layout(ctx), replica=replica, nodes=max(1, len(slurm_nodes())),
+                           gpus_per_node=node_gpus(), every_node=sg.every_node, owner=ctx.rank)
     except PlacementError as exc:
         raise ServerLaunchError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Lane:
+    """This engine's fleet among the run's: `index` of the `count` fleets of its replica (node
+    order), `servers` in it, and its `lane` of `lanes` over the whole run, which keeps the ports of
+    fleets sharing a host apart."""
+    index: int = 0
+    count: int = 1
+    servers: int = 1
+    lane: int = 0
+    lanes: int = 1
+
+
+def fleet_lane(rollout: Any, ctx: Any) -> Lane:
+    from megapkl.rollout.factory import engine_owners
+
+    sg = rollout.sglang
+    if not sg.colocate:
+        return Lane(servers=sg.num_engines, lane=ctx.replica, lanes=ctx.replicas)
+    lay = _layout(ctx)
+    owners = engine_owners(rollout, lay)
+    me = lay.leader(ctx.replica) if ctx.rank is None else ctx.rank
+    flat = [(d, rank, n) for d, fleets in enumerate(owners) for rank, n in fleets]
+    for lane, (d, rank, n) in enumerate(flat):
+        if d == ctx.replica and rank == me:
+            index = [r for r, _ in owners[d]].index(rank)
+            return Lane(index, len(owners[d]), n, lane, len(flat))
+    raise ServerLaunchError(f"rollout.sglang: trainer rank {me} runs no colocated fleet of "
+                            f"replica {ctx.replica} (placement: {owners[ctx.replica]})")
 
 
 def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
@@ -132,7 +166,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
     everything started is stopped and ServerLaunchError names the server and its log. `ctx`: the
     engine context (megapkl.rollout.factory.EngineContext)."""
-    sg, health, replica = rollout.sglang, health_settings(rollout.sglang), ctx.replica
+    sg, health, lane = rollout.sglang, health_settings(rollout.sglang), fleet_lane(rollout, ctx)
     model_path, dummy = served_model_dir(rollout, ctx, hf_config, work, tokenizer)
     # GPU placement for SGLang itself; a stand-in server_command places nothing.
     slots = None if sg.server_command else engine_slots(rollout, ctx)
@@ -150,8 +184,9 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                               base_gpu_id=base_gpu_id)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
-                         replica=replica, slots=slots, replicas=ctx.replicas,
-                         gpus_per_node=None if slots is None else node_gpus())
+                         replica=lane.lane, slots=slots, replicas=lane.lanes,
+                         gpus_per_node=None if slots is None else node_gpus(),
+                         count=lane.servers)
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     router: Optional[ServerProcess] = None
     router_url: Optional[str] = None
@@ -160,7 +195,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
             w.process = w.spec.process().start()
         _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
         if sg.use_router:
-            port, metrics = router_ports(sg, replica, ctx.replicas)
+            port, metrics = router_ports(sg, lane.lane, lane.lanes)
             router_url = f"http://{local_address(sg.host)}:{port}"
             router = ServerProcess("router", router_url, router_command(
                 sg, [w.url for w in workers], sg.host, port, metrics),
@@ -210,7 +245,8 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     """The engine of `rollout.sglang` for the engine context `ctx`
     (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.replicas` (data-parallel
     leaders); with several, each launches its own fleet, logs and exports under
-    <run_dir>/sglang/replica<r>/. The trainer pushes versions already quantized under
+    <run_dir>/sglang/replica<r>/, and a colocated replica spanning nodes has one fleet per node
+    (`ctx.rank`'s, under .../node<k>/). The trainer pushes versions already quantized under
     rollout.fp8 (where it writes them); `transform` is applied to each bucket of a push besides
     (identity by default: pass megapkl.rollout.fp8.sync_transform() to push BF16 weights to an
     FP8 server yourself). The caller owns the engine: `close()` it (a run holds it in its run
@@ -221,6 +257,10 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     work = Path(ctx.work_dir) / "sglang"
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
+    if not sg.urls and sg.colocate:
+        lane = fleet_lane(rollout, ctx)
+        if lane.count > 1:  # a fleet on each of the replica's nodes
+            work = work / f"node{lane.index}"
     if sg.urls:
         fleet = connect_fleet(sg, expected(rollout, ctx), stopping=ctx.stopping)
     else:

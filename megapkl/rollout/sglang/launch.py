@@ -266,9 +266,12 @@ class ServerSpec:
 def plan_servers(sg: Any, *, log_dir: Path,
                  make_cmd: Callable[[str, int, Optional[int]], list[str]], host: str,
                  replica: int = 0, slots: Optional[Sequence[Slot]] = None, replicas: int = 1,
-                 gpus_per_node: Optional[int] = None) -> list[ServerSpec]:
-    """One spec per engine of trainer replica `replica` (a data-parallel leader). Ports start at
-    base_port + replica * num_engines, so the fleets of replicas sharing a node never collide.
+                 gpus_per_node: Optional[int] = None,
+                 count: Optional[int] = None) -> list[ServerSpec]:
+    """One spec per server of fleet `replica` of `replicas` (a data-parallel replica's, or with
+    colocated fleets on every node of a replica, one lane per fleet of the run): `count` servers
+    (default num_engines). Ports start at base_port + replica * num_engines, so fleets sharing a
+    node never collide.
     `slots` (placement.py): the node and first GPU of each server (None: no GPU placement, e.g.
     `megapkl serve` stand-ins on CPU); `make_cmd(host, port, base_gpu_id)`. A server launched
     here runs on its GPUs' share of the node's CPUs (affinity.py, `gpus_per_node`).
@@ -280,9 +283,10 @@ def plan_servers(sg: Any, *, log_dir: Path,
       them, so `host` must not be loopback: setting it is the explicit choice to expose the
       servers' weight-update routes to the network (a warning is logged)."""
     first = sg.base_port + replica * sg.num_engines
+    count = sg.num_engines if count is None else count
     if replica == 0:
         warn_if_ephemeral(sg, replicas)
-    gpu = [None if slots is None else slots[i].base_gpu for i in range(sg.num_engines)]
+    gpu = [None if slots is None else slots[i].base_gpu for i in range(count)]
     nodes = slurm_nodes()
     if len(nodes) > 1 and not sg.colocate:
         if shutil.which("srun") is None:
@@ -314,7 +318,7 @@ def plan_servers(sg: Any, *, log_dir: Path,
     return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
                        log_dir / f"engine{i}.log", sg.tp,
                        cpus=server_cpus(gpu[i], sg.tp, gpus_per_node))
-            for i, port in enumerate(pick_ports(host, first, sg.num_engines,
+            for i, port in enumerate(pick_ports(host, first, count,
                                                 stride=replicas * sg.num_engines))]
 
 

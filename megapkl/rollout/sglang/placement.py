@@ -8,9 +8,12 @@ in megatron-core's order (tensor fastest, then context, data, pipeline). A serve
 `--base-gpu-id` .. `--base-gpu-id + tp - 1` of what its node shows (SGLang places TP rank r on
 `base_gpu_id + r`).
 
-- colocated (`colocate: true`): the fleet of replica d runs on the node of its leader, on the GPUs
-  replica d trains on there; each server takes `tp` consecutive ones. Fleets of different replicas
-  never share a GPU and a GPU holds at most one server.
+- colocated (`colocate: true`): the `num_engines` servers of replica d are spread evenly over the
+  nodes replica d trains on (earlier nodes take the remainder; `every_node: false` puts them all
+  on its leader's node), each on the GPUs replica d trains on there, `tp` consecutive ones per
+  server. The servers of one node form a fleet of their own, launched, probed and refreshed by the
+  replica's first rank on that node (its *owner*): the weights never leave the host. Fleets of
+  different replicas never share a GPU and a GPU holds at most one server.
 - dedicated (`colocate: false`): on every node the trainer's T ranks use GPUs 0 .. T-1 and the
   servers the rest; server k of the run (server i of replica d is k = d * num_engines + i) takes the
   k-th slot of `tp` consecutive free GPUs, nodes in allocation order.
@@ -27,6 +30,13 @@ class PlacementError(MegapklError, ValueError):
     """The fleet does not fit the allocation; the one-line message names the keys to change."""
 
 
+def ranks_per_node() -> int:
+    """Trainer ranks on this node, as the launcher (torchrun, Slurm) says."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
     tp: int = 1
@@ -41,6 +51,17 @@ class TrainerLayout:
 
     def leader(self, d: int) -> int:
         return self.tp * self.cp * d
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def replica_nodes(self, d: int) -> list[int]:
+        """The nodes replica `d` trains on, in allocation order."""
+        return sorted({self.node_of(r) for r in self.replica_ranks(d)})
+
+    def first_rank_on(self, d: int, node: int) -> int:
+        """Replica `d`'s lowest global rank on `node` (the owner of the fleet there)."""
+        return min(r for r in self.replica_ranks(d) if self.node_of(r) == node)
 
 
 @dataclass(frozen=True)
@@ -64,25 +85,67 @@ def _chunks(gpus: list[int], tp: int) -> list[int]:
     return bases
 
 
-def colocated_gpus(lay: TrainerLayout, d: int) -> list[int]:
-    """GPUs (node-local indices) replica `d` trains on, on its leader's node."""
-    node = lay.leader(d) // lay.per_node
-    return sorted(r % lay.per_node for r in lay.replica_ranks(d) if r // lay.per_node == node)
+def colocated_gpus(lay: TrainerLayout, d: int, node: Optional[int] = None) -> list[int]:
+    """GPUs (node-local indices) replica `d` trains on, on `node` (default: its leader's)."""
+    node = lay.node_of(lay.leader(d)) if node is None else node
+    return sorted(r % lay.per_node for r in lay.replica_ranks(d) if lay.node_of(r) == node)
+
+
+def spread(count: int, bins: int) -> list[int]:
+    """`count` split over `bins` as evenly as it goes, the first bins taking the remainder."""
+    return [count // bins + (i < count % bins) for i in range(bins)]
+
+
+@dataclass(frozen=True)
+class NodeFleet:
+    """The colocated servers of one replica on one node: `node` (an index into the allocation's
+    nodes), `owner` (the global trainer rank that launches, probes and refreshes them) and their
+    slots (node None: the owner's own node)."""
+
+    node: int
+    owner: int
+    slots: tuple[Slot, ...]
+
+
+def colocated_fleets(*, num_engines: int, tp: int, lay: TrainerLayout, replica: int,
+                     every_node: bool = True) -> list[NodeFleet]:
+    """Replica `replica`'s colocated fleets, one per node that holds servers, in node order;
+    PlacementError when a node's share does not fit the GPUs the replica trains on there."""
+    leader_node = lay.node_of(lay.leader(replica))
+    nodes = lay.replica_nodes(replica) if every_node else [leader_node]
+    fleets = []
+    for node, count in zip(nodes, spread(num_engines, len(nodes))):
+        if not count:
+            continue
+        gpus = colocated_gpus(lay, replica, node)
+        bases = _chunks(gpus, tp)
+        if len(bases) < count:
+            where = (f"its {len(nodes)} nodes (rollout.sglang.every_node), {count} on node "
+                     f"{node}" if len(nodes) > 1 else "its leader's node")
+            raise PlacementError(
+                f"rollout.sglang.num_engines x rollout.sglang.tp = {num_engines} x {tp}: a "
+                f"colocated fleet runs on its own replica's GPUs, spread over {where}, and "
+                f"data-parallel replica {replica} trains on GPUs {gpus} there, room for "
+                f"{len(bases)} server(s) of {tp} GPU(s) (num_engines counts the servers of one "
+                "replica)")
+        fleets.append(NodeFleet(node, lay.first_rank_on(replica, node),
+                                tuple(Slot(None, b) for b in bases[:count])))
+    return fleets
 
 
 def fleet_slots(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout, replica: int,
-                nodes: int = 1, gpus_per_node: Optional[int] = None) -> list[Slot]:
-    """The slots of replica `replica`'s servers; PlacementError when they do not fit."""
+                nodes: int = 1, gpus_per_node: Optional[int] = None, every_node: bool = True,
+                owner: Optional[int] = None) -> list[Slot]:
+    """The slots of the servers global rank `owner` launches for replica `replica` (colocated:
+    its node's fleet, [] if it owns none; default: the replica leader's), or of all of the
+    replica's dedicated servers; PlacementError when they do not fit."""
     if colocate:
-        gpus = colocated_gpus(lay, replica)
-        bases = _chunks(gpus, tp)
-        if len(bases) < num_engines:
-            raise PlacementError(
-                f"rollout.sglang.num_engines x rollout.sglang.tp = {num_engines} x {tp}: a "
-                f"colocated fleet runs on its own replica's GPUs, and data-parallel replica "
-                f"{replica} trains on GPUs {gpus} of its leader's node, room for {len(bases)} "
-                f"server(s) of {tp} GPU(s) (num_engines counts the servers of one replica)")
-        return [Slot(None, b) for b in bases[:num_engines]]
+        owner = lay.leader(replica) if owner is None else owner
+        for fleet in colocated_fleets(num_engines=num_engines, tp=tp, lay=lay, replica=replica,
+                                      every_node=every_node):
+            if fleet.owner == owner:
+                return list(fleet.slots)
+        return []
     gpus = lay.per_node if gpus_per_node is None else gpus_per_node
     free = _chunks(list(range(lay.per_node, gpus)), tp)
     slots = [Slot(n, b) for n in range(nodes) for b in free]
@@ -97,7 +160,23 @@ def fleet_slots(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout
 
 
 def check_fleets(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout,
-                 nodes: int = 1, gpus_per_node: Optional[int] = None) -> list[list[Slot]]:
-    """Every replica's slots (PlacementError naming the keys when one does not fit)."""
-    return [fleet_slots(num_engines=num_engines, tp=tp, colocate=colocate, lay=lay, replica=d,
+                 nodes: int = 1, gpus_per_node: Optional[int] = None,
+                 every_node: bool = True) -> list[list[Slot]]:
+    """Every replica's slots, with the node each server runs on (PlacementError naming the keys
+    when one does not fit)."""
+    if colocate:
+        return [[Slot(f.node, s.base_gpu) for f in colocated_fleets(
+                    num_engines=num_engines, tp=tp, lay=lay, replica=d, every_node=every_node)
+                 for s in f.slots] for d in range(lay.dp)]
+    return [fleet_slots(num_engines=num_engines, tp=tp, colocate=False, lay=lay, replica=d,
                         nodes=nodes, gpus_per_node=gpus_per_node) for d in range(lay.dp)]
+
+
+def fleet_owners(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout,
+                 replica: int, every_node: bool = True) -> list[tuple[int, int]]:
+    """(owner's global rank, its servers) for each fleet of replica `replica`: the colocated
+    fleets' owners in node order; the leader alone for dedicated servers."""
+    if not colocate:
+        return [(lay.leader(replica), num_engines)]
+    return [(f.owner, len(f.slots)) for f in colocated_fleets(
+        num_engines=num_engines, tp=tp, lay=lay, replica=replica, every_node=every_node)]

@@ -1,0 +1,106 @@
+"""Colocated fleets on every node of a replica (rollout.sglang.every_node), on one host.
+
+Two trainer ranks form one replica (PP=2) and each is told it is a node of its own
+(LOCAL_WORLD_SIZE=1), so the placement gives each rank a fleet of one `megapkl serve` worker
+(behind its own sglang-router), refreshed by that rank from the stored policy version through
+shared memory (weight_sync tensor). Each rank generates its share of the replica's prompt groups
+and both ranks get all the samples. Against the same run with the leader-only fleet
+(every_node false: one worker on rank 0's node):
+
+- metrics.jsonl agrees row for row on every field but the wall-clock ones (an in-training
+  evaluation included: each engine evaluates its share of the benchmark);
+- both nodes' workers answered generation requests, each node's from its own logs;
+- at the end every worker holds the weights of the version its engine reports, bit for bit
+  against the stored version.
+
+The same on the two-node Slurm test cluster, node by node: tests/launch/test_slurm_sglang.py.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapkl.config import load_config
+
+from test_sglang_train import generate_counts, print_log_tails, serve_command
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("configs/demo"), reason="run from the repo root")
+
+STEPS = 4
+RUN = ["parallel.data=1", "parallel.pipeline=2", "parallel.micro_batch_size=8", f"train.steps={STEPS}",
+       "rollout.prompts_per_batch=6", "rollout.responses_per_prompt=4",
+       "rollout.max_response_len=4", "rollout.refresh_every=2", "eval.every=2",
+       "eval.benchmarks=[{name: next_mod10, greedy: true}]",
+       "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.every=0",
+       "rollout.engine=sglang", f"rollout.sglang.server_command={serve_command('tiny-qwen3')}",
+       "rollout.sglang.use_router=true", "rollout.sglang.weight_sync=tensor",
+       "rollout.sglang.startup_timeout_s=240", "rollout.sglang.health_interval_s=2"]
+
+
+def train_and_check_weights(rank, world, cfg):
+    """One trainer rank: the whole run, then (an engine's rank) what each of its workers holds,
+    compared with the stored version the engine reports."""
+    from megapkl.rollout.sglang import http
+    from megapkl.train.loop import Trainer
+    from megapkl.train.run_context import RunContext
+
+    with RunContext() as context:
+        trainer = Trainer(cfg, context)
+        trainer.run()
+        stage = trainer.rollouts
+        if stage.engine is None:
+            return {"rank": rank, "workers": []}
+        stored = list(stage.store.get(stage.engine.version).stream())
+        workers = [w.url for w in stage.engine.fleet.workers]
+        differ = []
+        for url in workers:
+            for name, tensor in stored:
+                held = torch.tensor(http.request(url, "/get_weights_by_name", {
+                    "name": name, "truncate_size": tensor.shape[0]}, timeout=30))
+                if not torch.equal(held.to(tensor.dtype), tensor):
+                    differ.append((url, name))
+        return {"rank": rank, "workers": workers, "tensors": len(stored), "differ": differ,
+                "version": stage.engine.version}
+
+
+def _run(dist_run, run_dir: Path, extra: list[str]):
+    from megapkl.train.metrics_log import read_metrics, wall_clock
+
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*RUN, f"run_dir={run_dir}", *extra])
+    try:
+        out = dist_run(train_and_check_weights, 2, cfg, timeout=400)
+    except Exception:
+        for logs in run_dir.glob("sglang/**/logs"):
+            print_log_tails(logs.parent)
+        raise
+    rows = [{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(run_dir)]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    return rows, out
+
+
+def test_a_fleet_on_each_node_changes_no_result(dist_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # each rank a node of its own
+    leader_rows, leader = _run(dist_run, tmp_path / "leader", [
+        "rollout.sglang.every_node=false", "rollout.sglang.num_engines=1",
+        "rollout.sglang.base_port=30800"])
+    node_rows, nodes = _run(dist_run, tmp_path / "nodes", [
+        "rollout.sglang.every_node=true", "rollout.sglang.num_engines=2",
+        "rollout.sglang.base_port=30800"])
+
+    assert [len(o["workers"]) for o in leader] == [1, 0]  # rank 1 runs no engine
+    assert [len(o["workers"]) for o in nodes] == [1, 1]   # one worker per node
+    assert nodes[0]["workers"] != nodes[1]["workers"]     # ports of their own on a shared host
+    for o in (*leader, *nodes):
+        if o["workers"]:
+            assert o["tensors"] > 0 and o["differ"] == [], o
+
+    served = {k: generate_counts(tmp_path / "nodes", f"sglang/node{k}") for k in (0, 1)}
+    assert all(c["engine0"] > 0 and c["router"] == c["engine0"] for c in served.values()), served
+    assert not (tmp_path / "leader" / "sglang" / "node0").exists()
+    assert generate_counts(tmp_path / "leader")["engine0"] > 0
+
+    assert any("eval/micro_avg/accuracy" in r for r in node_rows)
+    assert node_rows == leader_rows
