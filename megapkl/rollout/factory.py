@@ -92,14 +92,16 @@ def engine_owners(rollout: Any, lay: Any) -> list[list[tuple[int, int]]]:
     """For each data-parallel replica of the trainer layout `lay` (placement.TrainerLayout), the
     global ranks that run one of its engines and the servers each has, in node order: colocated
     SGLang fleets megapkl launches are their nodes' (rollout/sglang/placement.py); any other
-    engine is the replica leader's alone."""
+    engine is the replica leader's alone. A stand-in `server_command` takes no GPU: its servers
+    are spread the same way, with no GPU to fit."""
     from megapkl.rollout.sglang.placement import fleet_owners
 
     sg = rollout.sglang
     if rollout.engine != "sglang" or sg.urls or not sg.colocate:
         return [[(lay.leader(d), 1)] for d in range(lay.dp)]
     return [fleet_owners(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
-                         replica=d, every_node=sg.every_node) for d in range(lay.dp)]
+                         replica=d, every_node=sg.every_node, gpus=not sg.server_command)
+            for d in range(lay.dp)]
 
 
 def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,

@@ -69,6 +69,7 @@ class Evaluator:
 
         stage = self.rollouts
         stage.remember(version, self.export)  # collective: into the store, as rollouts get it
+        stage.make_room()  # collective: the servers' memory comes back for the evaluation
         if stage.engine is None:
             return None, []
 

@@ -238,6 +238,17 @@ class RolloutStage:
         with (timers or self.timers)("sync"):
             self.engine.update_weights(self.store.get(version), version)
 
+    def make_room(self) -> None:
+        """Collective over the replica: colocated SGLang servers take their GPU memory back for a
+        generation, so every rank of the replica (any of them may share a GPU with a server)
+        hands its cached blocks back first and meets the others before an engine resumes them."""
+        from megapkl.rollout.sglang.launch import releases_memory
+
+        if self.rollout.engine == "sglang" and releases_memory(self.rollout.sglang):
+            from megapkl.rollout.sglang.weights import free_cached_memory
+
+            free_cached_memory(self.replica.group)
+
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine switched to for the current batch, counted from the one
         the previous batch left it at (an evaluation or generation ahead may load more)."""
@@ -252,6 +263,7 @@ class RolloutStage:
         of the last finished update, and a resume regenerates the batch exactly)."""
         prompts, held = self.prompts.state_dict(), self.held
         self.versions_loaded = 0
+        self.make_room()
         try:
             samples = self._collect(batch, group_versions)
             self._plan_ahead(batch)

@@ -18,6 +18,10 @@ The same on the two-node Slurm test cluster, node by node: tests/launch/test_slu
 from __future__ import annotations
 
 import os
+import re
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,16 +44,31 @@ RUN = ["parallel.data=1", "parallel.pipeline=2", "parallel.micro_batch_size=8", 
        "rollout.sglang.startup_timeout_s=240", "rollout.sglang.health_interval_s=2"]
 
 
-def train_and_check_weights(rank, world, cfg):
-    """One trainer rank: the whole run, then (an engine's rank) what each of its workers holds,
-    compared with the stored version the engine reports."""
+def _kill_when(trainer, update: int) -> threading.Thread:
+    """SIGKILL this rank's first server once the run has reached `update`."""
+    def watch() -> None:
+        while trainer.loop.update < update:
+            time.sleep(0.05)
+        os.kill(trainer.rollouts.engine.fleet.workers[0].process.popen.pid, signal.SIGKILL)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def train_and_check_weights(rank, world, cfg, kill=None):
+    """One trainer rank: the whole run (`kill`: (rank, update) whose first server is killed
+    then), then (an engine's rank) what each of its workers holds, compared with the stored
+    version the engine reports."""
     from megapkl.rollout.sglang import http
     from megapkl.train.loop import Trainer
     from megapkl.train.run_context import RunContext
 
     with RunContext() as context:
         trainer = Trainer(cfg, context)
+        killer = _kill_when(trainer, kill[1]) if kill and kill[0] == rank else None
         trainer.run()
+        if killer is not None:
+            killer.join(timeout=5)
         stage = trainer.rollouts
         if stage.engine is None:
             return {"rank": rank, "workers": []}
@@ -66,12 +85,12 @@ def train_and_check_weights(rank, world, cfg):
                 "version": stage.engine.version}
 
 
-def _run(dist_run, run_dir: Path, extra: list[str]):
+def _run(dist_run, run_dir: Path, extra: list[str], kill=None):
     from megapkl.train.metrics_log import read_metrics, wall_clock
 
     cfg = load_config("configs/demo/cpu_demo.yaml", [*RUN, f"run_dir={run_dir}", *extra])
     try:
-        out = dist_run(train_and_check_weights, 2, cfg, timeout=400)
+        out = dist_run(train_and_check_weights, 2, cfg, kill, timeout=400)
     except Exception:
         for logs in run_dir.glob("sglang/**/logs"):
             print_log_tails(logs.parent)
@@ -81,14 +100,29 @@ def _run(dist_run, run_dir: Path, extra: list[str]):
     return rows, out
 
 
-def test_a_fleet_on_each_node_changes_no_result(dist_run, tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # each rank a node of its own
-    leader_rows, leader = _run(dist_run, tmp_path / "leader", [
-        "rollout.sglang.every_node=false", "rollout.sglang.num_engines=1",
-        "rollout.sglang.base_port=30800"])
-    node_rows, nodes = _run(dist_run, tmp_path / "nodes", [
-        "rollout.sglang.every_node=true", "rollout.sglang.num_engines=2",
-        "rollout.sglang.base_port=30800"])
+LEADER = ["rollout.sglang.every_node=false", "rollout.sglang.num_engines=1",
+          "rollout.sglang.base_port=30800"]
+NODES = ["rollout.sglang.every_node=true", "rollout.sglang.num_engines=2",
+         "rollout.sglang.base_port=30800"]
+
+
+@pytest.fixture(scope="module")
+def leader_only(megatron_loaded, tmp_path_factory):
+    """The reference: the leader-only fleet (one worker, on rank 0's node)."""
+    from megapkl.parallel.forked import run_forked
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # each rank a node of its own
+    try:
+        run_dir = tmp_path_factory.mktemp("leader_only")
+        return run_dir, *_run(run_forked, run_dir, LEADER)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def test_a_fleet_on_each_node_changes_no_result(dist_run, leader_only, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    leader_dir, leader_rows, leader = leader_only
+    node_rows, nodes = _run(dist_run, tmp_path / "nodes", NODES)
 
     assert [len(o["workers"]) for o in leader] == [1, 0]  # rank 1 runs no engine
     assert [len(o["workers"]) for o in nodes] == [1, 1]   # one worker per node
@@ -99,8 +133,20 @@ def test_a_fleet_on_each_node_changes_no_result(dist_run, tmp_path, monkeypatch)
 
     served = {k: generate_counts(tmp_path / "nodes", f"sglang/node{k}") for k in (0, 1)}
     assert all(c["engine0"] > 0 and c["router"] == c["engine0"] for c in served.values()), served
-    assert not (tmp_path / "leader" / "sglang" / "node0").exists()
-    assert generate_counts(tmp_path / "leader")["engine0"] > 0
+    assert not (leader_dir / "sglang" / "node0").exists()
+    assert generate_counts(leader_dir)["engine0"] > 0
 
     assert any("eval/micro_avg/accuracy" in r for r in node_rows)
     assert node_rows == leader_rows
+
+
+def test_a_node_whose_server_dies_resyncs_and_changes_no_result(dist_run, leader_only, tmp_path,
+                                                                 monkeypatch):
+    """Node 1's server is SIGKILLed after update 2: its fleet restarts it, resyncs it from the
+    stored version, and the run goes on with the uninterrupted run's results."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    rows, out = _run(dist_run, tmp_path / "killed", NODES, kill=(1, 2))
+    log = (tmp_path / "killed" / "sglang" / "node1" / "logs" / "engine0.log").read_text()
+    assert len(re.findall(r"==== megapkl: starting", log)) == 2, log[-2000:]  # restarted once
+    assert out[1]["differ"] == [] and out[1]["tensors"] > 0
+    assert rows == leader_only[1]

@@ -112,10 +112,11 @@ class SGLangEngine(RolloutEngine):
             self._push(targets, weights, version)
 
     def _push(self, targets: list[Worker], weights: Any, version: int) -> None:
-        """Push to `targets` (under the fleet lock) and admit the ones that took the weights."""
-        while True:
-            if not targets:
-                raise self.fleet.unavailable()
+        """Push to `targets` (under the fleet lock) and admit the ones that took the weights. If
+        every target dies during the sync, the weights are still this fleet's: the restarted
+        servers are resynced with them, and the next request waits for one (up to
+        rollout.sglang.no_engine_timeout_s), as for any outage."""
+        while targets:
             try:
                 self.sync.push([Target(w.url, w.tp) for w in targets], weights, version)
                 break

@@ -99,36 +99,41 @@ def spread(count: int, bins: int) -> list[int]:
 @dataclass(frozen=True)
 class NodeFleet:
     """The colocated servers of one replica on one node: `node` (an index into the allocation's
-    nodes), `owner` (the global trainer rank that launches, probes and refreshes them) and their
-    slots (node None: the owner's own node)."""
+    nodes), `owner` (the global trainer rank that launches, probes and refreshes them), how many
+    and their slots (node None: the owner's own node; none for servers placed on no GPU)."""
 
     node: int
     owner: int
+    servers: int
     slots: tuple[Slot, ...]
 
 
 def colocated_fleets(*, num_engines: int, tp: int, lay: TrainerLayout, replica: int,
-                     every_node: bool = True) -> list[NodeFleet]:
+                     every_node: bool = True, gpus: bool = True) -> list[NodeFleet]:
     """Replica `replica`'s colocated fleets, one per node that holds servers, in node order;
-    PlacementError when a node's share does not fit the GPUs the replica trains on there."""
+    PlacementError when a node's share does not fit the GPUs the replica trains on there.
+    `gpus` false: servers that take no GPU (a CPU stand-in), spread the same way, unplaced."""
     leader_node = lay.node_of(lay.leader(replica))
     nodes = lay.replica_nodes(replica) if every_node else [leader_node]
     fleets = []
     for node, count in zip(nodes, spread(num_engines, len(nodes))):
         if not count:
             continue
-        gpus = colocated_gpus(lay, replica, node)
-        bases = _chunks(gpus, tp)
+        if not gpus:
+            fleets.append(NodeFleet(node, lay.first_rank_on(replica, node), count, ()))
+            continue
+        on_node = colocated_gpus(lay, replica, node)
+        bases = _chunks(on_node, tp)
         if len(bases) < count:
             where = (f"its {len(nodes)} nodes (rollout.sglang.every_node), {count} on node "
                      f"{node}" if len(nodes) > 1 else "its leader's node")
             raise PlacementError(
                 f"rollout.sglang.num_engines x rollout.sglang.tp = {num_engines} x {tp}: a "
                 f"colocated fleet runs on its own replica's GPUs, spread over {where}, and "
-                f"data-parallel replica {replica} trains on GPUs {gpus} there, room for "
+                f"data-parallel replica {replica} trains on GPUs {on_node} there, room for "
                 f"{len(bases)} server(s) of {tp} GPU(s) (num_engines counts the servers of one "
                 "replica)")
-        fleets.append(NodeFleet(node, lay.first_rank_on(replica, node),
+        fleets.append(NodeFleet(node, lay.first_rank_on(replica, node), count,
                                 tuple(Slot(None, b) for b in bases[:count])))
     return fleets
 
@@ -173,10 +178,12 @@ def check_fleets(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayou
 
 
 def fleet_owners(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout,
-                 replica: int, every_node: bool = True) -> list[tuple[int, int]]:
+                 replica: int, every_node: bool = True, gpus: bool = True
+                 ) -> list[tuple[int, int]]:
     """(owner's global rank, its servers) for each fleet of replica `replica`: the colocated
     fleets' owners in node order; the leader alone for dedicated servers."""
     if not colocate:
         return [(lay.leader(replica), num_engines)]
-    return [(f.owner, len(f.slots)) for f in colocated_fleets(
-        num_engines=num_engines, tp=tp, lay=lay, replica=replica, every_node=every_node)]
+    return [(f.owner, f.servers) for f in colocated_fleets(
+        num_engines=num_engines, tp=tp, lay=lay, replica=replica, every_node=every_node,
+        gpus=gpus)]
