@@ -53,7 +53,7 @@ def _fleet(cfg, gpus: int) -> OneProcess:
     n = min(sg.num_engines, (gpus - 1) // sg.tp) if gpus else 0  # dedicated, beside GPU 0
     if n >= 1:
         how = "the run's SGLang fleet" if n == sg.num_engines else \
-            f"{n} of the run's {sg.num_engines} SGLang servers"
+            f"{n} of the {sg.num_engines} SGLang servers of a replica of the run"
         return OneProcess(["rollout.sglang.colocate=false", f"rollout.sglang.num_engines={n}"],
                           f"{how} ({n} x {sg.tp} GPU(s)) on GPUs 1-{n * sg.tp}, beside this process")
     return OneProcess(["rollout.sglang.colocate=true", "rollout.sglang.num_engines=1",

@@ -21,7 +21,9 @@ micro-batches of activations; the last stage holds the output layer):
   to (`rollout.sglang.urls`) keep it, and count in the training phase as well.
 
 The SGLang fleet (`check_fleet`): each data-parallel replica's `num_engines` servers of `tp` GPUs
-must fit the GPUs placement.py gives them in the job; the error names the keys.
+must fit the GPUs placement.py gives them in the job (colocated: spread over the nodes the replica
+trains on unless `every_node` is false); the error names the keys. Its line says how many training
+GPUs generate and, when some do not, why.
 
 FLOPs per update: 6 N T for the policy forward + backward plus 2 N T for each extra forward (the
 proximal reference and the initial model when their log-probs are recomputed), plus causal
@@ -283,8 +285,8 @@ def update_times(cfg, profile: Any, train_s: float,
     ro, sg = cfg.rollout, cfg.rollout.sglang
     length = response_len or ro.max_response_len
     tokens = ro.prompts_per_batch * ro.responses_per_prompt * length
-    dp = cfg.world_size // cfg.parallel.model_parallel_size
-    gen_gpus = dp * sg.num_engines * sg.tp  # colocated: the trainer's GPUs
+    _, fleets = placed_fleets(cfg)
+    gen_gpus = sum(len(f) for f in fleets) * sg.tp  # the GPUs placement.py gives the servers
     given = getattr(profile, "gpu_decode_tokens_per_s", None)
     tps = given or DEFAULT_DECODE_TOKENS_PER_S
     gen_batch = tokens / (gen_gpus * tps)
@@ -327,13 +329,31 @@ def fleet_line(cfg) -> str:
 def check_fleet(cfg, source: str = "") -> str:
     """One line on the SGLang servers megapkl will launch for `cfg` (empty when it launches none
     or the job shape is unknown); ConfigError naming the keys when they do not fit the job."""
+    placed = placed_fleets(cfg, source)
+    if placed is None:
+        return ""
+    lay, fleets = placed
+    sg, world = cfg.rollout.sglang, cfg.world_size
+    servers = sum(len(f) for f in fleets)
+    used = servers * sg.tp
+    head = (f"SGLang: {lay.dp} replicas x {sg.num_engines} servers (rollout.sglang.num_engines) "
+            f"of {sg.tp} GPU(s) = {servers} servers on {used} GPUs")
+    if not sg.colocate:
+        return head + ", on GPUs of their own"
+    return (f"{head}, colocated on the replicas' GPUs, {_node_note(lay, fleets[0])}; {used} of "
+            f"the {world} training GPUs generate" + _idle_note(cfg, lay, world, used))
+
+
+def placed_fleets(cfg, source: str = ""):
+    """(trainer layout, every replica's server slots) of the servers megapkl launches for `cfg`,
+    as placement.py places them; None when it launches none or the job shape is unknown."""
     from megapkl.config.typed import ConfigError
     from megapkl.rollout.sglang.placement import PlacementError, TrainerLayout, check_fleets
 
     sg, par, slurm = cfg.rollout.sglang, cfg.parallel, cfg.slurm
     world = cfg.world_size
     if cfg.rollout.engine != "sglang" or sg.urls or sg.server_command or world is None:
-        return ""
+        return None
     if sg.colocate and sg.weight_sync == "distributed":
         raise ConfigError("distributed with colocate true: the trainer's NCCL rank and a "
                           "server's would share a GPU, which NCCL refuses; use tensor or disk, "
@@ -343,33 +363,54 @@ def check_fleet(cfg, source: str = "") -> str:
         raise ConfigError(f"{world} trainer ranks do not split evenly over {slurm.nodes} nodes "
                           "(rollout.sglang.num_engines, rollout.sglang.tp)", key="slurm.nodes",
                           source=source)
-    dp = world // par.model_parallel_size
-    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=dp,
-                        per_node=world // slurm.nodes)
+    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline,
+                        dp=world // par.model_parallel_size, per_node=world // slurm.nodes)
     try:
-        check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=lay,
-                     nodes=slurm.nodes, gpus_per_node=slurm.gpus_per_node)
+        return lay, check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate,
+                                 lay=lay, nodes=slurm.nodes, gpus_per_node=slurm.gpus_per_node,
+                                 every_node=sg.every_node)
     except PlacementError as exc:  # the message names the keys
         raise ConfigError(str(exc), source=source) from None
-    where = "colocated on the replicas' GPUs" if sg.colocate else "on GPUs of their own"
-    used = dp * sg.num_engines * sg.tp
-    return (f"SGLang: {dp} replicas x {sg.num_engines} servers (rollout.sglang.num_engines) of "
-            f"{sg.tp} GPU(s) = {dp * sg.num_engines} servers on {used} GPUs, {where}"
-            + (_idle_note(lay, world, used) if sg.colocate else ""))
 
 
-def _idle_note(lay, world: int, used: int) -> str:
-    """Training GPUs that generate nothing: a colocated fleet only has its replica leader's node
-    (its servers take the weights through shared memory or CUDA IPC, which stay on one host)."""
-    from megapkl.rollout.sglang.placement import colocated_gpus
+def _node_note(lay, slots) -> str:
+    """Over how many of its nodes replica 0's colocated servers run (every replica alike)."""
+    counts = [sum(s.node == n for s in slots) for n in lay.replica_nodes(0)]
+    held = [c for c in counts if c]
+    of = f" of each replica's {len(counts)}" if len(held) < len(counts) else " per replica"
+    each = (f"{held[0]} server(s) on each" if len(set(held)) == 1
+            else "+".join(map(str, held)) + " servers")
+    return f"fleets on {len(held)} node(s){of}, {each}"
+
+
+def _idle_note(cfg, lay, world: int, used: int) -> str:
+    """Why training GPUs generate nothing: fewer colocated servers than a replica's GPUs hold
+    (rollout.sglang.num_engines), or all of them on its leader's node (every_node false)."""
+    from megapkl.rollout.sglang.placement import (PlacementError, colocated_fleets,
+                                                  colocated_gpus)
 
     if used >= world:
         return ""
-    on_leader = len(colocated_gpus(lay, 0))
+    sg = cfg.rollout.sglang
     per_replica = len(lay.replica_ranks(0))
-    why = (f"a colocated fleet runs on its replica leader's node, {on_leader} of the replica's "
-           f"{per_replica} GPUs" if on_leader < per_replica else "rollout.sglang.num_engines")
-    return f"; {world - used} of the {world} training GPUs hold no server ({why})"
+    fit = sg.num_engines
+    while fit * sg.tp < per_replica:  # the most servers a replica's GPUs take as placed
+        try:
+            colocated_fleets(num_engines=fit + 1, tp=sg.tp, lay=lay, replica=0,
+                             every_node=sg.every_node)
+        except PlacementError:
+            break
+        fit += 1
+    why = []
+    if fit > sg.num_engines:
+        why.append(f"rollout.sglang.num_engines {sg.num_engines}, where a replica's GPUs take "
+                   f"up to {fit} servers of {sg.tp} GPU(s)")
+    if not sg.every_node and len(lay.replica_nodes(0)) > 1:
+        why.append("rollout.sglang.every_node false: a replica's servers only on its leader's "
+                   f"node, {len(colocated_gpus(lay, 0))} of its {per_replica} GPUs")
+    if not why:  # tp-wide runs of a node's replica GPUs leave some over
+        why.append(f"rollout.sglang.tp {sg.tp} does not divide a replica's GPUs on a node")
+    return f" ({world - used} idle: {'; '.join(why)})"
 
 
 def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),

@@ -37,8 +37,8 @@ def test_the_paper_configs_are_all_here():
 
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_eval_and_diagnose_planning_of_every_paper_run(path):
-    # eval: an 8-GPU node and a CPU machine place every run (a 32B fleet of 2 x 4 GPUs keeps
-    # one server of 4 GPUs beside this process's GPU)
+    # eval: an 8-GPU node and a CPU machine place every run (a 32B replica's fleet of 8 x 4 GPUs
+    # keeps one server of 4 GPUs beside this process's GPU)
     for machine in ("8xh100", "8xh200", "cpu"):
         cfg, placed = placed_config(path, machine)
         assert placed.says and cfg.parallel.data == 1 and cfg.slurm.nodes is None
@@ -66,7 +66,8 @@ def test_the_fleet_is_kept_where_it_fits_and_said():
     path = REPO / "configs" / "experiments" / "pkl_periodic" / "qwen3_32b_pkl.yaml"
     cfg, placed = placed_config(path, "8xh100")
     assert (cfg.rollout.sglang.num_engines, cfg.rollout.sglang.tp) == (1, 4)
-    assert not cfg.rollout.sglang.colocate and "1 of the run's 2 SGLang servers" in placed.says
+    assert not cfg.rollout.sglang.colocate
+    assert "1 of the 8 SGLang servers of a replica of the run" in placed.says
     small = REPO / "configs" / "experiments" / "pkl_periodic" / "qwen3_4b_pkl.yaml"
     cfg, placed = placed_config(small, "8xh100")
     assert (cfg.rollout.sglang.num_engines, cfg.rollout.sglang.tp) == (4, 1)

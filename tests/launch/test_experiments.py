@@ -58,8 +58,23 @@ def test_the_1p7b_pkl_run_starts_one_server_per_gpu() -> None:
     cfg = load_config(ROOT / "pkl_periodic/qwen3_1p7b_pkl.yaml")
     par, sg = cfg.parallel, cfg.rollout.sglang
     lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=par.data, per_node=8)
-    fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay)
+    fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
+                          every_node=sg.every_node)
     assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
+
+
+def test_the_32b_runs_generate_on_every_gpu_of_the_job() -> None:
+    """A 32B replica (TP 8 x CP 2 x PP 2) trains on 4 nodes: its 8 servers of 4 GPUs are spread
+    2 to a node, and the two replicas' 16 servers hold all 64 GPUs once."""
+    from megapkl.rollout.sglang.placement import TrainerLayout, check_fleets
+
+    cfg = load_config(ROOT / "pkl_periodic/qwen3_32b_pkl.yaml")
+    par, sg = cfg.parallel, cfg.rollout.sglang
+    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=par.data, per_node=8)
+    fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
+                          every_node=sg.every_node)
+    gpus = [(s.node, s.base_gpu + k) for f in fleets for s in f for k in range(sg.tp)]
+    assert sorted(gpus) == [(n, g) for n in range(cfg.slurm.nodes) for g in range(8)]
 
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
@@ -193,17 +208,28 @@ def test_paper_values_fixed_against_the_papers() -> None:
     assert cfg("pkl_staleness/qwen3_1p7b_seq_is_s16.yaml").rollout.max_staleness == 16
 
 
-def test_plan_says_how_many_training_gpus_hold_no_server() -> None:
-    """A colocated fleet only has its replica leader's node: the 32B runs (TP 8 x CP 2 x PP 2,
-    2 replicas of 32 GPUs on 8 nodes) generate on 2 x 2 servers x 4 GPUs = 16 of 64 GPUs, and
-    the leader's node holds ranks 0-7 of replica 0's 0-15 and 32-47."""
+def test_plan_says_how_many_training_gpus_generate_and_why_not() -> None:
+    """The 32B runs (2 replicas of 32 GPUs on 4 nodes each) generate on all 64 GPUs; with the
+    fleet on each leader's node (every_node false) or too few servers, the line says why not."""
     from megapkl.launch.plan import check_fleet
 
-    line = check_fleet(load_config(ROOT / "pkl_periodic/qwen3_32b_pkl.yaml"))
-    assert line.endswith("= 4 servers on 16 GPUs, colocated on the replicas' GPUs; 48 of the 64 "
-                         "training GPUs hold no server (a colocated fleet runs on its replica "
-                         "leader's node, 8 of the replica's 32 GPUs)"), line
-    assert "hold no server" not in check_fleet(load_config(ROOT / "pkl_periodic/qwen3_8b_pkl.yaml"))
-    one = load_config(ROOT / "pkl_periodic/qwen3_1p7b_pkl.yaml", ["rollout.sglang.num_engines=1"])
-    assert check_fleet(one).endswith("; 4 of the 8 training GPUs hold no server "
-                                     "(rollout.sglang.num_engines)")
+    def line(name, *extra):
+        return check_fleet(load_config(ROOT / f"pkl_periodic/{name}.yaml", list(extra)))
+
+    assert line("qwen3_32b_pkl").endswith(
+        "= 16 servers on 64 GPUs, colocated on the replicas' GPUs, fleets on 4 node(s) per "
+        "replica, 2 server(s) on each; 64 of the 64 training GPUs generate")
+    old = line("qwen3_32b_pkl", "rollout.sglang.every_node=false", "rollout.sglang.num_engines=2")
+    assert old.endswith(
+        "fleets on 1 node(s) of each replica's 4, 2 server(s) on each; 16 of the 64 training "
+        "GPUs generate (48 idle: rollout.sglang.every_node false: a replica's servers only on "
+        "its leader's node, 8 of its 32 GPUs)"), old
+    few = line("qwen3_32b_pkl", "rollout.sglang.num_engines=2")
+    assert few.endswith(
+        "fleets on 2 node(s) of each replica's 4, 1 server(s) on each; 16 of the 64 training "
+        "GPUs generate (48 idle: rollout.sglang.num_engines 2, where a replica's GPUs take up "
+        "to 8 servers of 4 GPU(s))"), few
+    assert "idle" not in line("qwen3_8b_pkl")
+    assert line("qwen3_1p7b_pkl", "rollout.sglang.num_engines=1").endswith(
+        "; 4 of the 8 training GPUs generate (4 idle: rollout.sglang.num_engines 1, where a "
+        "replica's GPUs take up to 2 servers of 1 GPU(s))")

@@ -154,12 +154,13 @@ def test_dedicated_sglang_gpus_shape_the_job(tmp_path):
     assert "4 replicas x 1 servers" in p.servers and "on GPUs of their own" in p.servers
 
 
-
 def test_a_sweep_of_dedicated_sglang_gpus_is_shaped_like_its_runs(tmp_path):
     """A sweep's array job gets the shape `submit` gives each of its runs: one task per trainer
     rank beside the servers' own GPUs; elements that need different shapes are refused."""
     from megapkl.config.typed import ConfigError
     from megapkl.launch.sweep import sweep
+
+    from megapkl.launch.submit import submit
 
     cfg = "configs/experiments/tetpo/qwen3_1p7b_grpo.yaml"
     inputs = job_inputs(tmp_path)
@@ -168,11 +169,26 @@ def test_a_sweep_of_dedicated_sglang_gpus_is_shaped_like_its_runs(tmp_path):
                 entry="megapkl.launch.toy:run", dry_run=True)
     assert "#SBATCH --gpus-per-node=8" in sub.script
     assert "#SBATCH --ntasks-per-node=4" in sub.script, sub.script
+
+    def shape(script):
+        return [ln for ln in script.splitlines()
+                if ln.startswith(("#SBATCH --nodes", "#SBATCH --ntasks-per-node",
+                                  "#SBATCH --gpus-per-node"))]
+
+    # on 4 nodes (the 8B run: 16 trainer ranks beside 16 server GPUs), the submit's shape
+    one = submit(PKL_8B, "h100", [*base, f"run_dir={tmp_path / 'c'}"],
+                 entry="megapkl.launch.toy:run", dry_run=True, force=True)
+    many = sweep(PKL_8B, "h100", ["seed=0,1"], [*base, f"run_dir={tmp_path / 'd'}"],
+                 entry="megapkl.launch.toy:run", dry_run=True)
+    assert shape(many.script) == shape(one.script) == [
+        "#SBATCH --gpus-per-node=8", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=4"], \
+        shape(many.script)
     with pytest.raises(ConfigError, match="different tasks per node") as info:
         sweep(cfg, "h100", ["rollout.sglang.colocate=false,true"],
               [*inputs, f"run_dir={tmp_path / 'b'}"],
               entry="megapkl.launch.toy:run", dry_run=True)
     assert info.value.key == "--grid"
+
 
 def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_them(tmp_path):
     """Launched colocated servers run with SGLang's memory saver and hand their memory back while
@@ -194,6 +210,7 @@ def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_th
 
 PKL_1P7B = "configs/experiments/pkl_periodic/qwen3_1p7b_pkl.yaml"
 PKL_8B = "configs/experiments/pkl_periodic/qwen3_8b_pkl.yaml"
+PKL_32B = "configs/experiments/pkl_periodic/qwen3_32b_pkl.yaml"
 BATCH_TOKENS = 32 * 8 * 16384  # prompts x responses x max_response_len of the PKL runs
 
 
@@ -279,6 +296,26 @@ def test_plan_times_the_8b_pkl_run_at_periodic_refresh(tmp_path):
     assert t.gen_gpus == 16 and t.generate_s == pytest.approx(gen)
     assert t.sync_s == pytest.approx(gen + own.step_s)
     assert t.async_s == pytest.approx(((gen + own.step_s) + 63 * max(gen, own.step_s)) / 64)
+
+
+def test_plan_times_generation_on_the_gpus_placement_gives_the_32b_servers(tmp_path):
+    """The 32B runs' 16 servers of 4 GPUs hold all 64 GPUs of the job, spread over each replica's
+    4 nodes; kept on each leader's node (every_node false, 2 servers a replica) they hold 16."""
+    weights = f"model.hf_checkpoint={tmp_path}"
+    p = plan_config(PKL_32B, "h100", [weights])
+    assert p.times.gen_gpus == 64
+    assert p.times.generate_s == pytest.approx(BATCH_TOKENS / (64 * 1500.0))
+    table = p.table()
+    assert "fleets on 4 node(s) per replica, 2 server(s) on each; 64 of the 64 training GPUs " \
+           "generate\n" in table, table
+    assert "tokens on 64 server GPUs" in table
+    old = plan_config(PKL_32B, "h100", [weights, "rollout.sglang.every_node=false",
+                                        "rollout.sglang.num_engines=2"])
+    assert old.times.gen_gpus == 16
+    assert old.times.generate_s == pytest.approx(4 * p.times.generate_s)
+    assert old.times.sync_s - p.times.sync_s == pytest.approx(3 * p.times.generate_s)
+    assert "16 of the 64 training GPUs generate (48 idle: rollout.sglang.every_node false" \
+        in old.table()
 
 
 def test_plan_on_policy_gains_nothing_from_generation_ahead(tmp_path):

@@ -15,7 +15,8 @@ from megapkl.rollout.sglang.build import engine_slots, served_model_dir
 from megapkl.rollout.sglang.launch import (ServerLaunchError, plan_servers, releases_memory,
                                            server_command)
 from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout,
-                                              check_fleets, colocated_gpus, fleet_slots)
+                                              check_fleets, colocated_fleets, colocated_gpus,
+                                              fleet_owners, fleet_slots, spread)
 
 
 class _Tok:
@@ -124,11 +125,84 @@ def test_colocated_placement_follows_the_replica_ranks():
     lay = TrainerLayout(tp=1, cp=2, pp=1, dp=4, per_node=8)
     fleets = check_fleets(num_engines=2, tp=1, colocate=True, lay=lay)
     assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
-    # a replica spanning nodes: only its leader's node hosts its fleet
+    # a replica spanning nodes: its leader's node holds the first share of its fleet
     lay = TrainerLayout(tp=8, cp=2, pp=2, dp=2, per_node=8)
     assert colocated_gpus(lay, 1) == list(range(8))
-    assert [s.base_gpu for s in fleet_slots(num_engines=2, tp=4, colocate=True, lay=lay,
+    assert [s.base_gpu for s in fleet_slots(num_engines=8, tp=4, colocate=True, lay=lay,
                                             replica=1)] == [0, 4]
+
+
+# The 32B layout: TP 8 x CP 2 x PP 2 on 8 nodes of 8 GPUs, 2 replicas. Replica 0 trains on
+# ranks 0-15 (stage 0, nodes 0-1) and 32-47 (stage 1, nodes 4-5), replica 1 on 16-31 and 48-63.
+LAY_32B = TrainerLayout(tp=8, cp=2, pp=2, dp=2, per_node=8)
+
+
+def _fleets(lay=LAY_32B, **kw):
+    return [(f.node, f.owner, f.servers, [s.base_gpu for s in f.slots])
+            for f in colocated_fleets(lay=lay, **kw)]
+
+
+def test_a_replica_spanning_nodes_spreads_its_fleet_over_them():
+    """Each node the replica trains on holds its share, owned by the replica's first rank
+    there; the two replicas' 16 servers of 4 GPUs cover the 64 GPUs once."""
+    assert LAY_32B.replica_nodes(1) == [2, 3, 6, 7]
+    assert _fleets(num_engines=8, tp=4, replica=1) == [
+        (2, 16, 2, [0, 4]), (3, 24, 2, [0, 4]), (6, 48, 2, [0, 4]), (7, 56, 2, [0, 4])]
+    assert fleet_owners(num_engines=8, tp=4, colocate=True, lay=LAY_32B, replica=0) == [
+        (0, 2), (8, 2), (32, 2), (40, 2)]
+    gpus = [(s.node, s.base_gpu + k) for fleet in check_fleets(
+        num_engines=8, tp=4, colocate=True, lay=LAY_32B) for s in fleet for k in range(4)]
+    assert sorted(gpus) == [(n, g) for n in range(8) for g in range(8)]
+    # a rank launches the servers of the fleet it owns, and none when it owns none
+    assert fleet_slots(num_engines=8, tp=4, colocate=True, lay=LAY_32B, replica=1,
+                       owner=48) == [Slot(None, 0), Slot(None, 4)]
+    assert fleet_slots(num_engines=8, tp=4, colocate=True, lay=LAY_32B, replica=1,
+                       owner=17) == []
+
+
+def test_an_uneven_share_goes_to_the_earlier_nodes():
+    assert spread(5, 4) == [2, 1, 1, 1] and spread(2, 4) == [1, 1, 0, 0] and spread(8, 1) == [8]
+    # nodes left without a server have no fleet (no owner)
+    assert _fleets(num_engines=3, tp=4, replica=0) == [
+        (0, 0, 1, [0]), (1, 8, 1, [0]), (4, 32, 1, [0])]
+    assert _fleets(num_engines=5, tp=4, replica=1) == [
+        (2, 16, 2, [0, 4]), (3, 24, 1, [0]), (6, 48, 1, [0]), (7, 56, 1, [0])]
+
+
+def test_every_node_false_keeps_a_fleet_on_its_leaders_node():
+    assert _fleets(num_engines=2, tp=4, replica=1, every_node=False) == [(2, 16, 2, [0, 4])]
+    assert fleet_owners(num_engines=2, tp=4, colocate=True, lay=LAY_32B, replica=1,
+                        every_node=False) == [(16, 2)]
+    assert [[s.node for s in f] for f in check_fleets(
+        num_engines=2, tp=4, colocate=True, lay=LAY_32B, every_node=False)] == [[0, 0], [2, 2]]
+    # dedicated servers: the leader owns the whole fleet
+    assert fleet_owners(num_engines=3, tp=1, colocate=False, lay=LAY_32B, replica=1) == [(16, 3)]
+
+
+def test_a_fleet_that_does_not_fit_names_the_keys():
+    with pytest.raises(PlacementError) as info:
+        check_fleets(num_engines=3, tp=4, colocate=True, lay=LAY_32B, every_node=False)
+    msg = str(info.value)
+    assert msg.startswith("rollout.sglang.num_engines x rollout.sglang.tp = 3 x 4: "), msg
+    assert "its leader's node" in msg and "room for 2 server(s) of 4 GPU(s)" in msg, msg
+    with pytest.raises(PlacementError) as info:  # 9 over 4 nodes: 3 on the first, room for 2
+        check_fleets(num_engines=9, tp=4, colocate=True, lay=LAY_32B)
+    msg = str(info.value)
+    assert "its 4 nodes (rollout.sglang.every_node), 3 on node 0" in msg, msg
+    assert "replica 0 trains on GPUs [0, 1, 2, 3, 4, 5, 6, 7] there, room for 2" in msg, msg
+    assert len(msg.splitlines()) == 1
+
+
+def test_servers_on_no_gpu_are_spread_without_a_fit():
+    """A CPU stand-in (gpus false): the same spread over the replica's nodes, no slots, so a
+    node with one trainer rank still holds two servers."""
+    lay = TrainerLayout(tp=1, cp=1, pp=2, dp=1, per_node=1)
+    assert _fleets(lay, num_engines=3, tp=1, replica=0, gpus=False) == [
+        (0, 0, 2, []), (1, 1, 1, [])]
+    assert fleet_owners(num_engines=3, tp=1, colocate=True, lay=lay, replica=0,
+                        gpus=False) == [(0, 2), (1, 1)]
+    with pytest.raises(PlacementError, match="room for 1"):
+        colocated_fleets(num_engines=3, tp=1, lay=lay, replica=0)
 
 
 def test_dedicated_servers_take_the_gpus_the_trainer_leaves():
