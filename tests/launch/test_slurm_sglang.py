@@ -6,7 +6,10 @@ launcher (server_command) and sglang-router, in both placements:
   under <run_dir>/sglang/replica<r>/ with ports of its own;
 - spread (colocate false, host 0.0.0.0): each leader's engines go one per node through
   `srun --overlap`, are addressed by node name, and take their weights over a gloo broadcast group
-  whose rendezvous is the leader's node.
+  whose rendezvous is the leader's node;
+- a replica across both nodes (PP=2, one stage per node), colocated with a fleet on each node
+  (rollout.sglang.every_node): each node's worker launched on loopback by that node's rank and fed
+  by it from the stored version, with metrics.jsonl equal to the leader-only fleet's.
 """
 from __future__ import annotations
 
@@ -73,3 +76,22 @@ def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> Non
             assert f"--port {30700 + 2 * r + i}" in start and "--host 0.0.0.0" in start
         router = _starts(logs / "router.log")[0]
         assert f"http://mpn1:{30700 + 2 * r}" in router and f"http://mpn2:{30701 + 2 * r}" in router
+
+
+def test_a_replica_across_both_nodes_has_a_fleet_on_each(launch_tmp: Path) -> None:
+    from megapkl.train.metrics_log import wall_clock
+
+    one_replica = ["parallel.data=1", "parallel.pipeline=2", "rollout.sglang.weight_sync=tensor",
+                   "rollout.sglang.base_port=30900"]
+    rows = {}
+    for name, extra in (("leader", ["rollout.sglang.every_node=false",
+                                    "rollout.sglang.num_engines=1"]),
+                        ("nodes", ["rollout.sglang.num_engines=2"])):
+        got = _run(launch_tmp / f"sglang_{name}", [*one_replica, *extra], f"two-node {name} fleet")
+        rows[name] = [{k: v for k, v in r.items() if not wall_clock(k)} for r in got]
+    nodes = launch_tmp / "sglang_nodes" / "sglang"
+    for k in (0, 1):  # each node's worker: launched there, on its loopback, by that node's rank
+        (start,) = _starts(nodes / f"node{k}" / "logs" / "engine0.log")
+        assert "srun" not in start and "--host 127.0.0.1" in start, start
+    assert not (launch_tmp / "sglang_leader" / "sglang" / "node0").exists()
+    assert rows["nodes"] == rows["leader"]
