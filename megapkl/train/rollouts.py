@@ -13,9 +13,10 @@ FP8 when rollout.fp8), written once by global rank 0 and loaded by each engine t
 path, so stale protocols (controlled staleness, uniform stale) generate from exact old weights
 without holding them in host memory.
 
-Whatever fails on a replica leader (the engine, a version file, a weight update, the server's
-answer, the reward function) is agreed over the data-parallel ranks (`megapkl.train.agree`):
-every rank raises the same RanksFailed, with the stage back at the start of the batch.
+Whatever fails on a rank that runs an engine (the engine, a version file, a weight update, the
+server's answer, the reward function) is agreed over the data-parallel ranks
+(`megapkl.train.agree`): every rank raises the same RanksFailed, with the stage back at the start
+of the batch.
 
 Under rollout.async_batches a leader's producer thread (train/producer.py) generates the next
 batches' first draws while the trainer trains: each a unit of work (batch, round, [(prompt, slot,
@@ -110,8 +111,8 @@ def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[
                         hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
                         stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
     """The stage of a run config: tokenizer and prompts (data), reward, version store and, on a
-    replica leader, the engine. `hold(x)` registers x's close with the run as soon as x exists.
-    `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
+    rank that runs one of its replica's engines (Replica.owners), the engine. `hold(x)` registers
+    x's close with the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
 

@@ -34,7 +34,8 @@ from test_sglang_train import generate_counts, print_log_tails, serve_command
 pytestmark = pytest.mark.skipif(not os.path.isdir("configs/demo"), reason="run from the repo root")
 
 STEPS = 4
-RUN = ["parallel.data=1", "parallel.pipeline=2", "parallel.micro_batch_size=8", f"train.steps={STEPS}",
+RUN = ["parallel.data=1", "parallel.pipeline=2", "parallel.micro_batch_size=8",
+       f"train.steps={STEPS}",
        "rollout.prompts_per_batch=6", "rollout.responses_per_prompt=4",
        "rollout.max_response_len=4", "rollout.refresh_every=2", "eval.every=2",
        "eval.benchmarks=[{name: next_mod10, greedy: true}]",
