@@ -395,6 +395,7 @@ class WeightSync:
             return
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(prepare, first)
+            del first  # else bucket 0's shared memory stays until the push ends
             while pending is not None:
                 payload, alive = pending.result()
                 following = next(stream, None)
