@@ -88,6 +88,16 @@ def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r} (embedded | sglang)")
 
 
+def check_engine_hosts(rollout: Any, hosts: list[str], per_node: int) -> None:
+    """Colocated SGLang servers megapkl launches: the placement's nodes must be the ranks' hosts
+    (placement.check_nodes); `hosts[r]`: global rank r's host."""
+    from megapkl.rollout.sglang.placement import check_nodes
+
+    sg = rollout.sglang
+    if rollout.engine == "sglang" and sg.colocate and not sg.urls:
+        check_nodes(hosts, per_node, gpus=not sg.server_command)
+
+
 def engine_owners(rollout: Any, lay: Any) -> list[list[tuple[int, int]]]:
     """For each data-parallel replica of the trainer layout `lay` (placement.TrainerLayout), the
     global ranks that run one of its engines and the servers each has, in node order: colocated

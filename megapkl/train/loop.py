@@ -39,7 +39,7 @@ from megapkl.train.agree import Carried, RanksFailed, agreed
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
-from megapkl.rollout.factory import engine_owners
+from megapkl.rollout.factory import check_engine_hosts, engine_owners
 from megapkl.rollout.sglang.placement import TrainerLayout, ranks_per_node
 from megapkl.train.rollouts import Replica, build_rollout_stage
 from megapkl.train.run_context import PREEMPTION, RunContext
@@ -110,8 +110,7 @@ class Trainer:
         self.loop = LoopState(minibatches=cfg.rollout.minibatches_per_batch, dp_rank=g.dp_rank,
                               dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
         self.learner = Learner(cfg, g)
-        replica = Replica.of(g, engine_owners(cfg.rollout, TrainerLayout(
-            tp=g.tp_size, cp=g.cp_size, pp=g.pp_size, dp=g.dp_size, per_node=ranks_per_node())))
+        replica = self._replica(cfg, g)
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
             cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule,
             context.stopping),
@@ -326,6 +325,19 @@ class Trainer:
         return stop is not None
 
     # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _replica(cfg, g) -> Replica:
+        """Where this rank sits among the engines: colocated fleets go on the nodes the ranks
+        really run on, checked against their hosts first (collective)."""
+        from megapkl.rollout.sglang.launch import this_node
+
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, this_node())
+        agreed(lambda: check_engine_hosts(cfg.rollout, hosts, ranks_per_node()),
+               what="placing the rollout engines")
+        return Replica.of(g, engine_owners(cfg.rollout, TrainerLayout(
+            tp=g.tp_size, cp=g.cp_size, pp=g.pp_size, dp=g.dp_size, per_node=ranks_per_node())))
 
     def _evaluator(self):
         """The evaluator (None unless eval.every or eval.at_start), on the rollout stage's engine."""

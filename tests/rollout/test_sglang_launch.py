@@ -385,3 +385,14 @@ def test_each_launched_server_runs_on_its_gpus_share_of_the_nodes_cpus(tmp_path)
     seen = [p.log_path.read_text().split("cpus ")[-1].strip() for p in procs]
     share = len(job_cpus()) // 2
     assert seen == [str(job_cpus()[:share]), str(job_cpus()[share:2 * share])], seen
+
+
+def test_the_placements_nodes_must_be_the_ranks_hosts():
+    from megapkl.rollout.sglang.placement import check_nodes
+
+    check_nodes(["a", "a", "b", "b"], per_node=2)  # block by block: as placed
+    with pytest.raises(PlacementError, match=r"ranks 0-1 are placed on one node .* \['a', 'b'\]"):
+        check_nodes(["a", "b", "a", "b"], per_node=2)  # round robin over the hosts
+    with pytest.raises(PlacementError, match="nodes 0 and 1 of the placement .* both host a"):
+        check_nodes(["a", "a", "a", "a"], per_node=2)  # LOCAL_WORLD_SIZE too small
+    check_nodes(["a", "a"], per_node=1, gpus=False)  # CPU stand-ins take no GPU: allowed

@@ -37,6 +37,33 @@ def ranks_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
 
 
+def check_nodes(hosts: list[str], per_node: int, gpus: bool = True) -> None:
+    """The placement's nodes (global rank r on node r // per_node) against the hosts the ranks
+    run on (`hosts[r]`): the ranks of one node must share a host (a fleet's weights go through
+    that host's shared memory), and with servers on GPUs two nodes must not (their fleets would
+    take the same GPUs). PlacementError naming the ranks otherwise (e.g. ranks laid out round
+    robin over the nodes, or LOCAL_WORLD_SIZE smaller than the ranks on a host)."""
+    nodes: dict[int, set[str]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(rank // per_node, set()).add(host)
+    for node, on in sorted(nodes.items()):
+        if len(on) > 1:
+            raise PlacementError(
+                f"trainer ranks {node * per_node}-{node * per_node + per_node - 1} are placed on "
+                f"one node ({per_node} ranks per node, LOCAL_WORLD_SIZE) but run on hosts "
+                f"{sorted(on)}: start the ranks block by block (Slurm's and torchrun's default), "
+                "or set rollout.sglang.colocate false")
+    seen: dict[str, int] = {}
+    for node, on in sorted(nodes.items()):
+        host = next(iter(on))
+        if gpus and host in seen:
+            raise PlacementError(
+                f"nodes {seen[host]} and {node} of the placement ({per_node} ranks per node, "
+                f"LOCAL_WORLD_SIZE) are both host {host}: their colocated servers would take "
+                "the same GPUs; LOCAL_WORLD_SIZE must count every trainer rank on a host")
+        seen.setdefault(host, node)
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
     tp: int = 1
