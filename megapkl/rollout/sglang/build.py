@@ -161,12 +161,13 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> 
             f.result()
 
 
-def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None
-                 ) -> Fleet:
+def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None,
+                 lane: Optional[Lane] = None) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
     everything started is stopped and ServerLaunchError names the server and its log. `ctx`: the
-    engine context (megapkl.rollout.factory.EngineContext)."""
-    sg, health, lane = rollout.sglang, health_settings(rollout.sglang), fleet_lane(rollout, ctx)
+    engine context (megapkl.rollout.factory.EngineContext); `lane`: its fleet_lane, if known."""
+    sg, health = rollout.sglang, health_settings(rollout.sglang)
+    lane = fleet_lane(rollout, ctx) if lane is None else lane
     model_path, dummy = served_model_dir(rollout, ctx, hf_config, work, tokenizer)
     # GPU placement for SGLang itself; a stand-in server_command places nothing.
     slots = None if sg.server_command else engine_slots(rollout, ctx)
@@ -257,14 +258,13 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     work = Path(ctx.work_dir) / "sglang"
     if ctx.replicas > 1:
         work = work / f"replica{ctx.replica}"
-    if not sg.urls and sg.colocate:
-        lane = fleet_lane(rollout, ctx)
-        if lane.count > 1:  # a fleet on each of the replica's nodes
-            work = work / f"node{lane.index}"
     if sg.urls:
         fleet = connect_fleet(sg, expected(rollout, ctx), stopping=ctx.stopping)
     else:
-        fleet = launch_fleet(rollout, ctx, hf_config, work, tokenizer)
+        lane = fleet_lane(rollout, ctx)
+        if lane.count > 1:  # a fleet on each of the replica's nodes
+            work = work / f"node{lane.index}"
+        fleet = launch_fleet(rollout, ctx, hf_config, work, tokenizer, lane)
     try:
         sync = WeightSync(sync_settings(sg, [w.url for w in fleet.workers]), export_dir=work,
                           transform=transform or identity, hf_config=hf_config)
