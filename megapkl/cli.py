@@ -93,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megapkl.train.checkpointing import preflight
     from megapkl.train.local import claim_run_dir, train_local
 
-    preflight(cfg)  # a missing resume checkpoint or a run directory in use: before any rank starts
+    preflight(cfg.checkpoint, cfg.run_dir)  # a missing resume checkpoint or a busy run directory
     cfg = claim_run_dir(cfg, args.if_exists)  # a run already there: refuse, resume or delete it
     runlog.attach(cfg.run_dir)
     train_local(cfg)

@@ -36,6 +36,7 @@ GROUPS = {
     "slurm": ("launch/", "journey/"),
     "servers": ("serve/", "contract/", "rollout/test_sglang_", "reliability/test_engine_outage.py",
                 "reliability/test_failure_agreement.py", "train/test_async_identity.py",
+                "train/test_config_sections.py",
                 "train/test_mismatch_routing.py"),
 }
 

@@ -67,7 +67,7 @@ def test_the_sglang_smoke_server_never_shares_the_trainers_nccl_gpu(monkeypatch,
                                                                       dedicated, base):
     """This process is rank 0 of the weight-update group on GPU 0; the server's ranks must be on
     other GPUs for the distributed sync (NCCL: 'Duplicate GPU detected'), which runs only then."""
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
     from megapkl.rollout.sglang.build import engine_slots
 
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", str(gpus))
@@ -75,7 +75,7 @@ def test_the_sglang_smoke_server_never_shares_the_trainers_nccl_gpu(monkeypatch,
         monkeypatch.delenv(var, raising=False)
     args = SimpleNamespace(model=str(tmp_path), out=str(tmp_path), port=31000)
     cfg = _smoke().config(args, dedicated)
-    (slot,) = engine_slots(cfg.rollout, engine_context(cfg, {}))
+    (slot,) = engine_slots(cfg.rollout, context_of(cfg, {}))
     assert slot.base_gpu == base
     assert cfg.rollout.sglang.colocate is (not dedicated)
 

@@ -101,7 +101,7 @@ def _checkpoint(cfg, given: Optional[str]) -> Optional[Path]:
     from megapkl.train import checkpointing as ckpt
 
     if given in (None, "latest"):
-        return ckpt.latest(cfg)
+        return ckpt.latest(cfg.checkpoint)
     if given == "init":
         return None
     path = Path(given)
@@ -137,12 +137,14 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
 
     import torch
 
+    from megapkl.config.layout import Layout
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
     from megapkl.train.rollouts import Replica, build_rollout_stage
 
-    groups = init_groups(cfg)
-    learner = Learner(cfg, groups)
+    groups = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
+    learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
+                      temperature=cfg.rollout.temperature, groups=groups)
     initial = {n: p.detach().clone() for n, p in _params(learner.model)}
     _load(learner, reference, initial)
     learner.snapshots.save("reference")
@@ -153,7 +155,11 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
                 held.callback(part.close)
             return part
 
-        stage = build_rollout_stage(cfg, learner.spec, Replica(), timers=None, hold=hold)
+        stage = build_rollout_stage(
+            cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
+            advantage=cfg.advantage, spec=learner.spec, replica=Replica(),
+            layout=Layout.of(cfg.parallel, world=1), run_dir=Path(cfg.run_dir), seed=cfg.seed,
+            steps=cfg.train.steps, hold=hold)
         stage.engine.update_weights(learner.export(), 1)
         prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
         samples = stage.engine.generate(prompts, responses,

@@ -183,7 +183,7 @@ def policy_weights(cfg, ckpt: Path):
     from megapkl.models.spec import spec_from_model_config
     from megapkl.train.loop import init_groups
 
-    groups = init_groups(cfg)
+    groups = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
     spec = spec_from_model_config(cfg.model)
     chunks = build_model_chunks(spec, options_from_config(cfg.model, cfg.parallel))
     load_checkpoint(ckpt / "model", chunks, load_rng=False)
@@ -224,6 +224,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
              step: Optional[int] = None, out: Optional[str] = None) -> dict:
     import json
 
+    from megapkl.config.layout import Layout
     from megapkl.rollout.factory import build_run_engine, load_tokenizer
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
@@ -241,7 +242,8 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     benches = load_benchmarks(cfg.eval, cfg.data, tokenizer, benchmarks)
     apply_section_overrides(benches, section_overrides(overrides), cfg.eval.n_samples)
     spec, weights = policy_weights(cfg, ckpt)
-    engine = build_run_engine(cfg, spec, tokenizer)
+    engine = build_run_engine(cfg.rollout, cfg.model, spec, tokenizer, work_dir=cfg.run_dir,
+                              seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1))  # one process
     try:  # the engine (and the SGLang servers it launched) is closed however this ends
         scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
         try:

@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megapkl.models.sizes import (Layout, layer_params, padded_vocab,  # noqa: F401
-                                  served_weight_bytes, stage_params, total_params)
+from megapkl.config.layout import Layout
+from megapkl.models.sizes import (layer_params, padded_vocab, served_weight_bytes,  # noqa: F401
+                                  stage_params, total_params)
 
 GIB = 1024 ** 3
 DEFAULT_MFU = 0.35
@@ -110,10 +111,7 @@ class Plan:
 
 
 def _layout(cfg) -> Layout:
-    p = cfg.parallel
-    dp = p.data if isinstance(p.data, int) else 1
-    return Layout(tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert, dp=dp,
-                  sp=p.sequence_parallel)
+    return Layout.of(cfg.parallel)  # an "auto" DP counts as 1 here
 
 
 def layer_activation_bytes(s: float, b: int, h: int, heads: int, t: int, recompute: str,
@@ -301,8 +299,8 @@ def update_times(cfg, profile: Any, train_s: float,
         times.why_not = ("the servers share the trainer's GPUs (rollout.sglang.colocate: "
                          "true; false gives them GPUs of their own)")
         return times
-    times.async_s, ahead, window = overlapped_update_s(Schedule.from_config(cfg), gen_batch,
-                                                       train_s)
+    schedule = Schedule.of(cfg.rollout, cfg.reference, cfg.seed)
+    times.async_s, ahead, window = overlapped_update_s(schedule, gen_batch, train_s)
     times.ahead = (ahead, window)
     if not ahead:
         times.why_not = f"{ro.protocol} waits for each batch's version"
@@ -348,7 +346,7 @@ def placed_fleets(cfg, source: str = ""):
     """(trainer layout, every replica's server slots) of the servers megapkl launches for `cfg`,
     as placement.py places them; None when it launches none or the job shape is unknown."""
     from megapkl.config.typed import ConfigError
-    from megapkl.rollout.sglang.placement import PlacementError, TrainerLayout, check_fleets
+    from megapkl.rollout.sglang.placement import PlacementError, check_fleets
 
     sg, par, slurm = cfg.rollout.sglang, cfg.parallel, cfg.slurm
     world = cfg.world_size
@@ -363,8 +361,7 @@ def placed_fleets(cfg, source: str = ""):
         raise ConfigError(f"{world} trainer ranks do not split evenly over {slurm.nodes} nodes "
                           "(rollout.sglang.num_engines, rollout.sglang.tp)", key="slurm.nodes",
                           source=source)
-    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline,
-                        dp=world // par.model_parallel_size, per_node=world // slurm.nodes)
+    lay = Layout.of(par, world, per_node=world // slurm.nodes)
     try:
         return lay, check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate,
                                  lay=lay, nodes=slurm.nodes, gpus_per_node=slurm.gpus_per_node,

@@ -3,17 +3,7 @@ only (no torch), shared by `megapkl plan` (launch) and the one-process checks of
 diagnose (analysis)."""
 from __future__ import annotations
 
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    sp: bool = False
+from megapkl.config.layout import Layout
 
 
 # ------------------------------------------------------------------ parameters

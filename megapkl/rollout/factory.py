@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megapkl.config.layout import Layout
 from megapkl.rollout.engine import RolloutEngine, RolloutError
 
 
@@ -46,8 +47,8 @@ def build_tokenizer_and_data(model: Any, data: Any, max_prompt_len: Optional[int
 @dataclasses.dataclass(frozen=True)
 class EngineContext:
     """What an engine needs besides the rollout section: the model it serves and where it runs.
-    `replica` of `replicas`: which trainer replica (data-parallel leader) builds it; launched SGLang
-    fleets of different replicas get their own ports, logs and exports under `work_dir`."""
+    `replica` of `layout.dp`: which trainer replica (data-parallel leader) builds it; launched
+    SGLang fleets of different replicas get their own ports, logs and exports under `work_dir`."""
     hf_config: dict                  # the trainer model's HF config (megapkl.models.spec.hf_config_dict)
     work_dir: Path                   # the run directory
     seed: int
@@ -57,10 +58,9 @@ class EngineContext:
     device: Any = "cpu"              # the embedded engine's device and dtype
     dtype: Any = None
     replica: int = 0
-    replicas: int = 1
-    tensor: int = 1                  # the trainer's layout (parallel.*): where launched servers
-    context: int = 1                 # go on the GPUs beside it (rollout/sglang/placement.py)
-    pipeline: int = 1
+    # the trainer's layout, its ranks per node included: where launched servers go on the GPUs
+    # beside it (rollout/sglang/placement.py)
+    layout: Layout = Layout()
     rank: Optional[int] = None       # the global trainer rank building it (None: the replica's
                                      # leader): a colocated fleet is its node's (placement.py)
     # True once the run is stopping (a stop signal or a preemption on this rank): launched servers
@@ -99,8 +99,8 @@ def check_engine_hosts(rollout: Any, hosts: list[str], per_node: int) -> None:
         check_nodes(hosts, per_node, gpus=not sg.server_command)
 
 
-def engine_owners(rollout: Any, lay: Any) -> list[list[tuple[int, int]]]:
-    """For each data-parallel replica of the trainer layout `lay` (placement.TrainerLayout), the
+def engine_owners(rollout: Any, lay: Layout) -> list[list[tuple[int, int]]]:
+    """For each data-parallel replica of the trainer layout `lay`, the
     global ranks that run one of its engines and the servers each has, in node order: colocated
     SGLang fleets megapkl launches are their nodes' (rollout/sglang/placement.py); any other
     engine is the replica leader's alone. A stand-in `server_command` takes no GPU: its servers
@@ -116,30 +116,29 @@ def engine_owners(rollout: Any, lay: Any) -> list[list[tuple[int, int]]]:
             for d in range(lay.dp)]
 
 
-def engine_context(cfg: Any, hf_config: dict, *, device: Any = "cpu", dtype: Any = None,
-                   replica: int = 0, replicas: int = 1, rank: Optional[int] = None,
+def engine_context(model: Any, hf_config: dict, *, work_dir: Any, seed: int, layout: Layout,
+                   device: Any = "cpu", dtype: Any = None, replica: int = 0,
+                   rank: Optional[int] = None,
                    stopping: Callable[[], bool] = lambda: False) -> EngineContext:
-    """The engine context of a run config for a model's HF config mapping."""
-    p = cfg.parallel
-    return EngineContext(hf_config=hf_config, work_dir=Path(cfg.run_dir or f"runs/{cfg.name}"),
-                         seed=cfg.seed, model_dtype=cfg.model.dtype,
-                         hf_checkpoint=cfg.model.hf_checkpoint,
-                         routing_replay=cfg.model.routing_replay, device=device, dtype=dtype,
-                         replica=replica, replicas=replicas, tensor=p.tensor, context=p.context,
-                         pipeline=p.pipeline, rank=rank, stopping=stopping)
+    """The engine context of the model section for a model's HF config mapping."""
+    return EngineContext(hf_config=hf_config, work_dir=Path(work_dir), seed=seed,
+                         model_dtype=model.dtype, hf_checkpoint=model.hf_checkpoint,
+                         routing_replay=model.routing_replay, device=device, dtype=dtype,
+                         replica=replica, layout=layout, rank=rank, stopping=stopping)
 
 
-def build_run_engine(cfg: Any, spec: Any, tokenizer: Any, replica: int = 0, replicas: int = 1,
+def build_run_engine(rollout: Any, model: Any, spec: Any, tokenizer: Any, *, work_dir: Any,
+                     seed: int, layout: Layout, replica: int = 0,
                      stopping: Callable[[], bool] = lambda: False,
                      rank: Optional[int] = None) -> RolloutEngine:
-    """The run's rollout engine for the trainer model `spec`, on the device and in the dtype the
-    model dtype calls for (`megapkl.models.provider.engine_placement`); empty: weights come
-    through update_weights."""
+    """The run's rollout engine (the rollout section's) for the trainer model `spec` (the model
+    section's), on the device and in the dtype the model dtype calls for
+    (`megapkl.models.provider.engine_placement`); empty: weights come through update_weights."""
     from megapkl.models.provider import engine_placement
     from megapkl.models.spec import hf_config_dict
 
-    device, dtype = engine_placement(cfg.model.dtype)
+    device, dtype = engine_placement(model.dtype)
     hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1])
-    ctx = engine_context(cfg, hf, device=device, dtype=dtype, replica=replica, replicas=replicas,
-                         rank=rank, stopping=stopping)
-    return build_engine(cfg.rollout, ctx, tokenizer)
+    ctx = engine_context(model, hf, work_dir=work_dir, seed=seed, layout=layout, device=device,
+                         dtype=dtype, replica=replica, rank=rank, stopping=stopping)
+    return build_engine(rollout, ctx, tokenizer)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.config.layout import Layout
 from megapkl.errors import MegapklError
 from megapkl.train.agree import RankError, RanksFailed, agree, agreed
 from megapkl.train.runlock import RunLock
@@ -46,28 +47,30 @@ class CheckpointError(MegapklError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the directory or file."""
 
 
-def step_dir(cfg, step: int) -> Path:
-    return Path(cfg.checkpoint.dir) / f"step_{step:08d}"
+def step_dir(section, step: int) -> Path:
+    """`section`: the checkpoint section (its `dir`)."""
+    return Path(section.dir) / f"step_{step:08d}"
 
 
-def partial_dir(cfg, step: int) -> Path:
-    return Path(cfg.checkpoint.dir) / f".step_{step:08d}.partial"
+def partial_dir(section, step: int) -> Path:
+    return Path(section.dir) / f".step_{step:08d}.partial"
 
 
 class CheckpointManager:
     """Save, load, prune, verify and "is a save due" for the parts it is handed (name -> part)."""
 
-    def __init__(self, cfg: Any, parts: dict[str, Any], *, layout: dict[str, int],
+    def __init__(self, section: Any, parts: dict[str, Any], *, steps: int, layout: Layout,
                  timers: Optional[Timers] = None) -> None:
-        """`cfg`: the run config (its checkpoint section, train.steps and run paths)."""
-        self.cfg, self.parts, self.layout = cfg, parts, layout
+        """`section`: the checkpoint section; `steps`: the run's last update (train.steps),
+        always saved; `layout`: recorded in every manifest."""
+        self.section, self.parts, self.steps, self.layout = section, parts, steps, layout
         self.timers = timers or Timers()
         self.saved: Optional[int] = None  # the step this run saved (or resumed from) last
 
     def due(self, step: int) -> bool:
         """Is a save due after `step` updates (checkpoint.every, and always at the end)?"""
-        every = self.cfg.checkpoint.every
-        return (every > 0 and step % every == 0) or step == self.cfg.train.steps
+        every = self.section.every
+        return (every > 0 and step % every == 0) or step == self.steps
 
     def save(self, step: int) -> Path:
         """Collective: the step-`step` checkpoint, written atomically unless this run saved (or
@@ -75,12 +78,12 @@ class CheckpointManager:
         if self.saved != step:
             t0 = time.perf_counter()
             with self.timers("checkpoint"):
-                path = save(self.cfg, self.parts, step, self.layout)
+                path = save(self.section, self.parts, step, self.layout.sizes())
             self.saved = step
             if dist.get_rank() == 0:
                 print(f"[megapkl.train] saved checkpoint {path} in {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
-        return step_dir(self.cfg, step)
+        return step_dir(self.section, step)
 
     def save_finished(self, update: int, then: str = "fix the cause and continue"
                       ) -> tuple[Optional[Path], str]:
@@ -97,8 +100,8 @@ class CheckpointManager:
     def resume(self) -> int:
         """Collective: the latest complete checkpoint (checkpoint.resume: true) or the named one,
         loaded into the parts at this layout; returns its step (0 without a checkpoint)."""
-        resume = self.cfg.checkpoint.resume
-        path = (latest(self.cfg) if resume is True else Path(resume)) if resume else None
+        resume = self.section.resume
+        path = (latest(self.section) if resume is True else Path(resume)) if resume else None
         if path is None:
             return 0
         agreed(lambda: verify(path), what="checking the checkpoint")
@@ -109,14 +112,14 @@ class CheckpointManager:
 # ------------------------------------------------------------------ save
 
 
-def save(cfg, parts: dict[str, Any], step: int, layout: dict[str, int]) -> Path:
+def save(section, parts: dict[str, Any], step: int, layout: dict[str, int]) -> Path:
     """Collective: write the step-`step` checkpoint of `parts` atomically; returns its directory.
     A failure on any rank (a full disk, a quota, an I/O error) is agreed: CheckpointError on every
     rank, and the previous checkpoint is intact. Rank 0's own file operations (the directory, the
     trainer state, the manifest, the rename and the pruning) are agreed like the parts' writes:
     no rank waits in a barrier for a rank that raised."""
     rank = dist.get_rank()
-    final, tmp = step_dir(cfg, step), partial_dir(cfg, step)
+    final, tmp = step_dir(section, step), partial_dir(section, step)
 
     def prepare() -> None:
         if rank == 0:
@@ -126,9 +129,9 @@ def save(cfg, parts: dict[str, Any], step: int, layout: dict[str, int]) -> Path:
     def commit() -> None:
         if rank == 0:
             _commit(tmp, final)
-            _prune(cfg)
+            _prune(section)
     for work in (prepare, lambda: _write(parts, tmp, step, layout), commit):
-        _saved_or_failed(cfg, step, tmp, _attempt_save(work), final if work is commit else None)
+        _saved_or_failed(section, step, tmp, _attempt_save(work), final if work is commit else None)
     return final
 
 
@@ -140,7 +143,7 @@ def _attempt_save(work) -> Optional[RankError]:
     return None
 
 
-def _saved_or_failed(cfg, step: int, tmp: Path, error: Optional[RankError],
+def _saved_or_failed(section, step: int, tmp: Path, error: Optional[RankError],
                      final: Optional[Path]) -> None:
     """Collective: agree on one stage of a save; CheckpointError on every rank if it failed."""
     try:
@@ -148,7 +151,7 @@ def _saved_or_failed(cfg, step: int, tmp: Path, error: Optional[RankError],
     except RanksFailed as exc:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        prev = latest(cfg)
+        prev = latest(section)
         why = "; ".join(dict.fromkeys(_last_line(e.message) for e in exc.errors))
         free = [_free_kb(tmp.parent)]  # rank 0's figure: the same message on every rank
         if dist.get_world_size() > 1:
@@ -253,9 +256,9 @@ def _commit(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _prune(cfg) -> None:
+def _prune(section) -> None:
     """Keep the newest `checkpoint.keep` complete checkpoints; drop leftovers of killed saves."""
-    root, keep = Path(cfg.checkpoint.dir), cfg.checkpoint.keep
+    root, keep = Path(section.dir), section.keep
     done = _complete(root)
     for old in done[:-keep] if keep and keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -272,8 +275,9 @@ def _complete(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / MARKER).exists())
 
 
-def latest(cfg) -> Path | None:
-    done = _complete(Path(cfg.checkpoint.dir))
+def latest(section) -> Path | None:
+    """The newest complete checkpoint under the checkpoint section's `dir` (None: none)."""
+    done = _complete(Path(section.dir))
     return done[-1] if done else None
 
 
@@ -302,12 +306,11 @@ def verify(path: Path) -> dict:
     return meta
 
 
-def preflight(cfg) -> None:
+def preflight(section, run_dir: Path) -> None:
     """Before any rank starts: the named resume checkpoint is complete, the run dir is free."""
-    resume = cfg.checkpoint.resume
-    if isinstance(resume, str):
-        verify(Path(resume))
-    RunLock(Path(cfg.run_dir)).check_free()
+    if isinstance(section.resume, str):
+        verify(Path(section.resume))
+    RunLock(Path(run_dir)).check_free()
 
 
 # ------------------------------------------------------------------ load
@@ -343,12 +346,10 @@ def _upgrade(state: dict) -> dict:
     return state
 
 
-def write_resolved_config(cfg, run_dir: Path) -> None:
-    """The resolved config that alone reproduces the run."""
-    from megapkl.config.loader import dump_config
-
+def write_resolved_config(text: str, run_dir: Path) -> None:
+    """The resolved config (`dump_config`'s text) that alone reproduces the run."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "config.yaml").write_text(text)
 
 
 def truncate_metrics(run_dir: Path, start: int) -> None:

@@ -29,20 +29,20 @@ from megapkl.parallel.groups import ParallelGroups
 SNAPSHOT_INDEX = "index.json"
 
 
-def optim_settings(cfg) -> OptimSettings:
-    """Adam settings from the run config's `train` section (SPEC 10)."""
-    t = cfg.train
+def optim_settings(t, parallel) -> OptimSettings:
+    """Adam settings from the `train` section (SPEC 10) and the `parallel` one's optimizer."""
     return OptimSettings(
         lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip or 0.0,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
         decay_steps=t.steps if t.lr_schedule == "cosine" else None,
-        distributed_optimizer=cfg.parallel.distributed_optimizer)
+        distributed_optimizer=parallel.distributed_optimizer)
 
 
-def hf_checkpoint_dir(cfg) -> Optional[Path]:
-    """The local HF checkpoint to start from, or None for megatron's random init."""
-    path = cfg.model.hf_checkpoint
+def hf_checkpoint_dir(model) -> Optional[Path]:
+    """The model section's local HF checkpoint to start from, or None for megatron's random
+    init."""
+    path = model.hf_checkpoint
     if not path:
         return None
     p = Path(path).expanduser()
@@ -55,35 +55,39 @@ def hf_checkpoint_dir(cfg) -> Optional[Path]:
 
 
 class Learner:
-    def __init__(self, cfg, groups: ParallelGroups) -> None:
-        self.cfg, self.groups = cfg, groups
-        self.spec = spec_from_model_config(cfg.model)
+    """The policy model, its optimizer and snapshots, built from the model, parallel, train and
+    objective sections; `temperature`: the rollouts' (log-probs are taken at it)."""
+
+    def __init__(self, model, parallel, train, objective, *, temperature: float,
+                 groups: ParallelGroups) -> None:
+        self.groups, self.objective, self.parallel = groups, objective, parallel
+        self.spec = spec_from_model_config(model)
         pgc = groups.pg_collection   # megatron's explicit process groups, everywhere below
-        chunks = build_model_chunks(self.spec, options_from_config(cfg.model, cfg.parallel), pgc)
-        ckpt = hf_checkpoint_dir(cfg)
+        chunks = build_model_chunks(self.spec, options_from_config(model, parallel), pgc)
+        ckpt = hf_checkpoint_dir(model)
         if ckpt is not None:
             load_hf_weights(chunks, ckpt, spec=self.spec, groups=groups)
-        self.settings = optim_settings(cfg)
+        self.settings = optim_settings(train, parallel)
         self.model = wrap_ddp(chunks, self.settings, pg_collection=pgc)
         self.optimizer = build_optimizer(self.model, self.settings, pg_collection=pgc)
         self.scheduler = build_scheduler(self.optimizer, self.settings)
         attach_to_config(self.model, self.optimizer, pg_collection=pgc)
         self.snapshots = SnapshotStore(self.model)
-        self.temperature = cfg.rollout.temperature
-        self.multiple = pad_multiple(groups.cp_size, groups.tp_size, cfg.parallel.sequence_parallel)
+        self.temperature = temperature
+        self.multiple = pad_multiple(groups.cp_size, groups.tp_size, parallel.sequence_parallel)
         self.forward_passes = 0  # passes over a set of micro-batches (reference and training)
 
     # ------------------------------------------------------------------ batches
 
     @property
     def layout(self) -> str:
-        return "thd" if self.cfg.parallel.packing == "thd" else "bshd"
+        return "thd" if self.parallel.packing == "thd" else "bshd"
 
     def pack(self, samples: Sequence) -> list[MicroBatch]:
         """This rank's CP shards of the micro-batches of `samples` (this DP rank's share), on
         the device: built once per minibatch, then passed to `logprobs` / `fill_logprobs` /
         `train_step` (`megapkl.parallel.microbatches`)."""
-        p = self.cfg.parallel
+        p = self.parallel
         return build_micro_batches(samples, self.groups, self.multiple, self.layout,
                                    micro_batch_size=p.micro_batch_size,
                                    max_tokens=p.max_tokens_per_micro_batch)
@@ -123,7 +127,7 @@ class Learner:
         applied). A non-finite loss skips the update (gradients dropped), applied=False.
         `record`: a micro-batch field that receives the training pass's detached log-probs (the
         weights before this update), as `fill_logprobs` would write them."""
-        obj = self.cfg.objective
+        obj = self.objective
         mbs = micro_batches
         zero_grads(self.model, self.optimizer)
         stats = ML.count_minibatch(mbs, self.groups)

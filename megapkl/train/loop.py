@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megapkl import runlog
+from megapkl.config.layout import Layout
+from megapkl.config.loader import dump_config
 from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
@@ -40,7 +42,7 @@ from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.rollout.factory import check_engine_hosts, engine_owners
-from megapkl.rollout.sglang.placement import TrainerLayout, ranks_per_node
+from megapkl.rollout.sglang.placement import ranks_per_node
 from megapkl.train.rollouts import Replica, build_rollout_stage
 from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
@@ -57,8 +59,9 @@ class EnginesStopped(RunStopped):
     """The rollout engines could not serve: the run saved its finished updates and stopped."""
 
 
-def init_groups(cfg):
-    """megatron process groups for the run's layout (torch.distributed started if needed).
+def init_groups(parallel, model, seed: int):
+    """megatron process groups for the parallel section's layout (torch.distributed started if
+    needed); `model`: the model section (its dtype must run here); `seed`: train.seed.
 
     The one place a trainer process installs megatron's CPU compatibility layer: only in a
     process without CUDA (`compat.install` does nothing when CUDA is available)."""
@@ -67,16 +70,16 @@ def init_groups(cfg):
     from megapkl.parallel.forked import free_port
     from megapkl.parallel.groups import init_parallel
 
-    check_dtype_on_this_machine(cfg.model)  # before any process group starts
+    check_dtype_on_this_machine(model)  # before any process group starts
     if not torch.cuda.is_available():
         compat.install()
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    p = cfg.parallel
+    p = parallel
     return init_parallel(tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert,
-                         etp=1 if p.expert > 1 else None, seed=cfg.train.seed)
+                         etp=1 if p.expert > 1 else None, seed=seed)
 
 
 def may_generate_from(s: Schedule, version: int) -> bool:
@@ -102,25 +105,29 @@ class Trainer:
     def __init__(self, cfg, context: RunContext) -> None:
         self.cfg, self.context, self.timers = cfg, context, Timers()
         self.carried = Carried()  # rank-local failures, agreed at the end of the update
-        self.groups = g = init_groups(cfg)
+        self.groups = g = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
         self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
+        # the one layout value: the engines' placement and every checkpoint's manifest
+        self.layout = lay = Layout.of(cfg.parallel, dist.get_world_size(), ranks_per_node())
         context.lock(self.run_dir)  # before anything is launched
         runlog.attach(self.run_dir)  # other libraries' warnings: into the run's megapkl.log
-        self.schedule = Schedule.from_config(cfg)
+        self.schedule = Schedule.of(cfg.rollout, cfg.reference, cfg.seed)
         self.loop = LoopState(minibatches=cfg.rollout.minibatches_per_batch, dp_rank=g.dp_rank,
                               dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
-        self.learner = Learner(cfg, g)
-        replica = self._replica(cfg, g)
+        self.learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
+                               temperature=cfg.rollout.temperature, groups=g)
+        replica = self._replica(cfg.rollout, g, lay)
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
-            cfg, self.learner.spec, replica, self.timers, context.hold, self.schedule,
-            context.stopping),
+            cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
+            advantage=cfg.advantage, spec=self.learner.spec, replica=replica, layout=lay,
+            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, timers=self.timers,
+            hold=context.hold, schedule=self.schedule, stopping=context.stopping),
             what="starting the rollouts")
         context.on_exit(self.rollouts.stop_ahead)  # its generation thread, before its engine
         self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
-        self.checkpoints = ckpt.CheckpointManager(cfg, {
+        self.checkpoints = ckpt.CheckpointManager(cfg.checkpoint, {
             "learner": self.learner, "rollouts": self.rollouts, "loop": self.loop},
-            layout={"tp": g.tp_size, "pp": g.pp_size, "cp": g.cp_size, "dp": g.dp_size,
-                    "ep": g.ep_size}, timers=self.timers)
+            steps=cfg.train.steps, layout=lay, timers=self.timers)
         self.loop.update = self.checkpoints.resume()
         self.logger = context.hold(agreed(self._start_logs, what="starting the run's logs"))
 
@@ -327,17 +334,16 @@ class Trainer:
     # ------------------------------------------------------------------ construction
 
     @staticmethod
-    def _replica(cfg, g) -> Replica:
+    def _replica(rollout, g, lay: Layout) -> Replica:
         """Where this rank sits among the engines: colocated fleets go on the nodes the ranks
         really run on, checked against their hosts first (collective)."""
         from megapkl.rollout.sglang.launch import this_node
 
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, this_node())
-        agreed(lambda: check_engine_hosts(cfg.rollout, hosts, ranks_per_node()),
+        agreed(lambda: check_engine_hosts(rollout, hosts, lay.per_node),
                what="placing the rollout engines")
-        return Replica.of(g, engine_owners(cfg.rollout, TrainerLayout(
-            tp=g.tp_size, cp=g.cp_size, pp=g.pp_size, dp=g.dp_size, per_node=ranks_per_node())))
+        return Replica.of(g, engine_owners(rollout, lay))
 
     def _evaluator(self):
         """The evaluator (None unless eval.every or eval.at_start), on the rollout stage's engine."""
@@ -364,7 +370,7 @@ class Trainer:
     def _announce(self) -> None:
         """Rank 0: the resolved config that alone reproduces the run; after a resume, the metrics
         rows past the checkpoint are dropped (the resumed run writes them again)."""
-        ckpt.write_resolved_config(self.cfg, self.run_dir)
+        ckpt.write_resolved_config(dump_config(self.cfg), self.run_dir)
         start = self.loop.update
         if start > 0:
             ckpt.truncate_metrics(self.run_dir, start)

@@ -257,7 +257,7 @@ def _routing(learner, micro_batches, own: list, fresh: list) -> Tensor:
     """The global routing parts of this update's fresh samples (collective over the world)."""
     from megapkl.parallel.replay import moe_layer_ordinals
 
-    sp = bool(learner.cfg.parallel.sequence_parallel) and learner.groups.tp_size > 1
+    sp = bool(learner.parallel.sequence_parallel) and learner.groups.tp_size > 1
     uids = torch.tensor([s.uid for s in fresh if s.routed_experts is not None], dtype=torch.int64)
     differs, counted = rank_routing_rows(micro_batches, own, moe_layer_ordinals(learner.model),
                                          learner.spec.num_layers, uids, learner.groups, sp)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megapkl.config.layout import Layout
 from megapkl.objectives.advantages import compute_advantages
 from megapkl.objectives.sis import mix64_int
 from megapkl.parallel.groups import ParallelGroups, replica_group
@@ -107,39 +108,45 @@ class Ahead:
     total: int
 
 
-def build_rollout_stage(cfg: Any, spec: Any, replica: Replica, timers: Optional[Timers] = None,
+def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, advantage: Any,
+                        spec: Any, replica: Replica, layout: Layout, run_dir: Path, seed: int,
+                        steps: int, timers: Optional[Timers] = None,
                         hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
                         stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
-    """The stage of a run config: tokenizer and prompts (data), reward, version store and, on a
-    rank that runs one of its replica's engines (Replica.owners), the engine. `hold(x)` registers
-    x's close with the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches' versions under async_batches."""
+    """The stage of the rollout section, with the model, data, reward and advantage sections it
+    reads: tokenizer and prompts (data), reward, version store (under `run_dir`) and, on a rank
+    that runs one of its replica's engines (Replica.owners), the engine, placed by the trainer's
+    `layout`. `steps`: the run's updates (train.steps). `hold(x)` registers x's close with the
+    run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches'
+    versions under async_batches."""
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
 
-    r = cfg.rollout
+    r = rollout
     if r.prompts_per_batch % (replica.dp_size * r.minibatches_per_batch):
         raise RolloutError(
             f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
             f"data-parallel size ({replica.dp_size}) x rollout.minibatches_per_batch "
             f"({r.minibatches_per_batch}) so every rank holds whole prompt groups")
-    tokenizer, dataset, task = build_tokenizer_and_data(cfg.model, cfg.data, r.max_prompt_len)
+    tokenizer, dataset, task = build_tokenizer_and_data(model, data, r.max_prompt_len)
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    store = VersionStore(Path(cfg.run_dir) / "policy_versions", writer=writer)
-    engine = reward = None
+    store = VersionStore(Path(run_dir) / "policy_versions", writer=writer)
+    engine = scorer = None
     if replica.engine:  # the replica's other ranks get the scored samples from its engines
-        reward = hold(build_reward(cfg.reward, cfg.data, tokenizer, task))
-        engine = hold(build_run_engine(cfg, spec, tokenizer, replica.dp_rank, replica.dp_size,
-                                       stopping, rank=replica.rank))
+        scorer = hold(build_reward(reward, data, tokenizer, task))
+        engine = hold(build_run_engine(r, model, spec, tokenizer, work_dir=run_dir, seed=seed,
+                                       layout=layout, replica=replica.dp_rank,
+                                       stopping=stopping, rank=replica.rank))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
-                                                  return_routed_experts=cfg.model.routing_replay)
+                                                  return_routed_experts=model.routing_replay)
     ahead = None
     if r.async_batches and schedule is not None:
         ahead = Ahead(r.async_batches, schedule.group_versions,
-                      -(-cfg.train.steps // r.minibatches_per_batch))
-    return RolloutStage(r, cfg.advantage, data=cfg.data, correct=cfg.reward.correct, seed=cfg.seed,
-                        tokenizer=tokenizer,
-                        dataset=dataset, reward=reward, store=store, engine=engine,
-                        sampling=sampling, replica=replica, timers=timers, ahead=ahead)
+                      -(-steps // r.minibatches_per_batch))
+    return RolloutStage(r, advantage, data=data, correct=reward.correct, seed=seed,
+                        tokenizer=tokenizer, dataset=dataset, reward=scorer, store=store,
+                        engine=engine, sampling=sampling, replica=replica, timers=timers,
+                        ahead=ahead)
 
 
 class RolloutStage:

@@ -54,13 +54,12 @@ class Schedule:
     lookahead: int = 1                 # batches whose versions the pool keeps ahead of use
 
     @classmethod
-    def from_config(cls, cfg) -> "Schedule":
-        """From a resolved RunConfig (megapkl.config)."""
-        r = cfg.rollout
+    def of(cls, r, reference, seed: int) -> "Schedule":
+        """From the resolved rollout and reference sections and the run's seed."""
         return cls(protocol=r.protocol, minibatches=r.minibatches_per_batch,
                    groups_per_batch=r.prompts_per_batch, refresh_every=r.refresh_every or 1,
-                   max_staleness=r.max_staleness or 0, reference_mode=cfg.reference.mode,
-                   reference_every=cfg.reference.refresh_every, seed=cfg.seed,
+                   max_staleness=r.max_staleness or 0, reference_mode=reference.mode,
+                   reference_every=reference.refresh_every, seed=seed,
                    lookahead=max(1, r.async_batches))
 
     def batch_start(self, batch: int) -> int:

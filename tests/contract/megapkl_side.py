@@ -120,9 +120,9 @@ def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
     tokenizer = None if tokenizer_eos is None else SimpleNamespace(eos_token_id=tokenizer_eos)
     replicas = cfg.parallel.data
     work = Path(run_dir) / "sglang" / (f"replica{replica}" if replicas > 1 else "")
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
 
-    ctx = engine_context(cfg, hf_config, replica=replica, replicas=replicas)
+    ctx = context_of(cfg, hf_config, replica=replica, replicas=replicas)
     fleet = build.launch_fleet(cfg.rollout, ctx, hf_config, work, tokenizer=tokenizer)
     out = Launch(cfg, hf_config)
     for p in started:

@@ -37,7 +37,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_server_is_checked_against_the_run_config(sglang, case, tmp_path, monkeypatch):
     from megapkl.models.spec import hf_config_dict, load_spec
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
     from megapkl.rollout.sglang.launch import ServerLaunchError
     from megapkl.rollout.sglang.served import check_served, expected
 
@@ -45,7 +45,7 @@ def test_a_server_is_checked_against_the_run_config(sglang, case, tmp_path, monk
     argv = launched(server, tmp_path / "server", monkeypatch, server_extra).sglang_argv()
     url = sglang.call("start_front", argv)
     cfg = load_variant(run, tmp_path / "run", run_extra)
-    ctx = engine_context(cfg, hf_config_dict(load_spec(cfg.model.name), dtype="bfloat16"))
+    ctx = context_of(cfg, hf_config_dict(load_spec(cfg.model.name), dtype="bfloat16"))
     want = expected(cfg.rollout, ctx)
     if refusal is None:
         check_served("rollout.sglang.urls[0]", url, want, timeout_s=60)
@@ -62,12 +62,12 @@ def test_a_server_drawing_from_the_seed_alone_is_recognised(sglang, tmp_path, mo
     in SGLang's own /server_info: the engine then sends each response of a seeded group its own
     seed (docs/engines.md, "Seeds"); a server started without it does not."""
     from megapkl.models.spec import hf_config_dict, load_spec
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
     from megapkl.rollout.sglang.served import DETERMINISTIC, check_served, draws_from_seed, expected
 
     cfg = load_variant("bf16_separate_gpus", tmp_path / "run")
-    want = expected(cfg.rollout, engine_context(cfg, hf_config_dict(load_spec(cfg.model.name),
-                                                                    dtype="bfloat16")))
+    want = expected(cfg.rollout, context_of(cfg, hf_config_dict(load_spec(cfg.model.name),
+                                                                dtype="bfloat16")))
     # (this CPU resolves SGLang's attention backend to intel_amx, which deterministic inference
     # refuses: name one it takes, as a GPU server would resolve)
     on = f'rollout.sglang.extra_args=["{DETERMINISTIC}", "--attention-backend", "triton"]'

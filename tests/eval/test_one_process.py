@@ -9,7 +9,8 @@ import pytest
 from megapkl.analysis.eval_cli import SINGLE_PROCESS, one_gpu_bytes, one_process
 from megapkl.config import load_config
 from megapkl.eval.runner import EvalError
-from megapkl.rollout.sglang.placement import TrainerLayout, check_fleets
+from megapkl.config.layout import Layout
+from megapkl.rollout.sglang.placement import check_fleets
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = sorted(p for p in (REPO / "configs" / "experiments").rglob("*.yaml")
@@ -26,7 +27,7 @@ def placed_config(path: Path, machine: str, learner: bool = False):
     placed = one_process(cfg, gpus=gpus, gpu_gib=gib, learner=learner)
     cfg = load_config(path, [*SINGLE_PROCESS, *placed.overrides])
     sg = cfg.rollout.sglang
-    check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=TrainerLayout(),
+    check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate, lay=Layout(),
                  nodes=1, gpus_per_node=gpus or None)
     return cfg, placed
 

@@ -53,11 +53,12 @@ def test_experiment_is_valid_and_fits_8_gpu_nodes(path: Path) -> None:
 def test_the_1p7b_pkl_run_starts_one_server_per_gpu() -> None:
     """num_engines counts the servers of one data-parallel replica: 4 replicas (CP 2 on 8 GPUs)
     x 2 = 8 servers of 1 GPU, one on every GPU of the node."""
-    from megapkl.rollout.sglang.placement import TrainerLayout, check_fleets
+    from megapkl.config.layout import Layout
+    from megapkl.rollout.sglang.placement import check_fleets
 
     cfg = load_config(ROOT / "pkl_periodic/qwen3_1p7b_pkl.yaml")
     par, sg = cfg.parallel, cfg.rollout.sglang
-    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=par.data, per_node=8)
+    lay = Layout.of(par, per_node=8)
     fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
                           every_node=sg.every_node)
     assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
@@ -66,11 +67,12 @@ def test_the_1p7b_pkl_run_starts_one_server_per_gpu() -> None:
 def test_the_32b_runs_generate_on_every_gpu_of_the_job() -> None:
     """A 32B replica (TP 8 x CP 2 x PP 2) trains on 4 nodes: its 8 servers of 4 GPUs are spread
     2 to a node, and the two replicas' 16 servers hold all 64 GPUs once."""
-    from megapkl.rollout.sglang.placement import TrainerLayout, check_fleets
+    from megapkl.config.layout import Layout
+    from megapkl.rollout.sglang.placement import check_fleets
 
     cfg = load_config(ROOT / "pkl_periodic/qwen3_32b_pkl.yaml")
     par, sg = cfg.parallel, cfg.rollout.sglang
-    lay = TrainerLayout(tp=par.tensor, cp=par.context, pp=par.pipeline, dp=par.data, per_node=8)
+    lay = Layout.of(par, per_node=8)
     fleets = check_fleets(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
                           every_node=sg.every_node)
     gpus = [(s.node, s.base_gpu + k) for f in fleets for s in f for k in range(sg.tp)]

@@ -64,11 +64,11 @@ def count_saves(marks: Path) -> None:
 
     real = checkpointing.save
 
-    def save(cfg, parts, step, layout):
+    def save(section, parts, step, layout):
         rank = dist.get_rank()
         with open(marks / f"saves_rank{rank}", "a") as f:
             f.write(f"{step}\n")
-        return real(cfg, parts, step, layout)
+        return real(section, parts, step, layout)
 
     checkpointing.save = save
 

@@ -44,7 +44,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes(train, refere
     with pytest.raises(Exception, match="exit code -9"):
         train(cfg, patch=_kill_in_loop_state_gather)
     root = tmp_path / "run" / "checkpoints"
-    assert ckpt.latest(cfg) == root / "step_00000002"
+    assert ckpt.latest(cfg.checkpoint) == root / "step_00000002"
     assert (root / ".step_00000004.partial" / "model").is_dir()  # the killed save's leftovers
     assert not (root / "step_00000004").exists()
     ckpt.verify(root / "step_00000002")
@@ -61,7 +61,7 @@ def _copy(src, dst):
 
 
 def test_corrupted_or_incomplete_checkpoint_is_refused_naming_the_file(train, reference_run, tmp_path):
-    good = ckpt.latest(reference_run)
+    good = ckpt.latest(reference_run.checkpoint)
     assert good.name == "step_00000004"
     manifest = ckpt.verify(good)
     assert "trainer.pt" in manifest["files"] and "model/metadata.json" in manifest["files"]
@@ -99,7 +99,7 @@ def _mount_tmpfs(path, size):
 
 
 def test_disk_full_during_save_fails_cleanly_and_keeps_previous(train, reference_run, tmp_path):
-    one = sum(f.stat().st_size for f in ckpt.latest(reference_run).rglob("*") if f.is_file())
+    one = sum(f.stat().st_size for f in ckpt.latest(reference_run.checkpoint).rglob("*") if f.is_file())
     disk = tmp_path / "small_disk"
     _mount_tmpfs(disk, f"{(one * 3 // 2) // 1024}k")  # room for one checkpoint, not two
     try:
@@ -110,7 +110,7 @@ def test_disk_full_during_save_fails_cleanly_and_keeps_previous(train, reference
         assert "CheckpointError: saving the step-4 checkpoint" in msg
         assert " kB free there)" in msg
         assert f"the previous checkpoint {disk / 'step_00000002'} is intact" in msg
-        assert ckpt.latest(cfg) == disk / "step_00000002"
+        assert ckpt.latest(cfg.checkpoint) == disk / "step_00000002"
         ckpt.verify(disk / "step_00000002")
         assert not list(disk.glob(".step_*.partial"))
     finally:

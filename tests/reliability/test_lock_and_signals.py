@@ -90,7 +90,7 @@ def test_stop_signal_checkpoints_and_exits_cleanly(tmp_path, sig, world):
     assert f"{seen}: stopped after update" in err and "Traceback" not in err
     rows = read_metrics(str(run))
     cfg = tiny_cfg(run, "train.steps=200")
-    last = ckpt.latest(cfg)
+    last = ckpt.latest(cfg.checkpoint)
     assert last is not None and last.name == f"step_{len(rows):08d}"
     ckpt.verify(last)
     assert 2 <= len(rows) < 200

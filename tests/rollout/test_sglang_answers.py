@@ -34,10 +34,10 @@ def _engine(cfg):
     from megapkl.models.spec import hf_config_dict, load_spec
     from megapkl.rollout.sglang.build import build_sglang_engine
 
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
 
     hf = hf_config_dict(load_spec("tiny-qwen3"), dtype="float32")
-    return build_sglang_engine(cfg.rollout, engine_context(cfg, hf))
+    return build_sglang_engine(cfg.rollout, context_of(cfg, hf))
 
 
 def _weights(engine_like_seed=5):

@@ -44,10 +44,10 @@ def _hf():
 
 
 def _build(cfg):
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
     from megapkl.rollout.sglang.build import build_sglang_engine
 
-    return build_sglang_engine(cfg.rollout, engine_context(cfg, _hf()))
+    return build_sglang_engine(cfg.rollout, context_of(cfg, _hf()))
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ from megapkl.rollout.fp8 import QUANTIZATION_CONFIG, read_quantization_config
 from megapkl.rollout.sglang.build import engine_slots, served_model_dir
 from megapkl.rollout.sglang.launch import (ServerLaunchError, plan_servers, releases_memory,
                                            server_command)
-from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout,
-                                              check_fleets, colocated_fleets, colocated_gpus,
-                                              fleet_owners, fleet_slots, spread)
+from megapkl.config.layout import Layout
+from megapkl.rollout.sglang.placement import (PlacementError, Slot, check_fleets,
+                                              colocated_fleets, colocated_gpus, fleet_owners,
+                                              fleet_slots, spread)
 
 
 class _Tok:
@@ -32,16 +33,15 @@ def _hf():
 
 
 def _served(cfg, work, tokenizer=None):
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
 
-    return served_model_dir(cfg.rollout, engine_context(cfg, _hf()), _hf(), work, tokenizer)
+    return served_model_dir(cfg.rollout, context_of(cfg, _hf()), _hf(), work, tokenizer)
 
 
 def _slots(cfg, replica, replicas):
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
 
-    return engine_slots(cfg.rollout, engine_context(cfg, _hf(), replica=replica,
-                                                    replicas=replicas))
+    return engine_slots(cfg.rollout, context_of(cfg, _hf(), replica=replica, replicas=replicas))
 
 
 def _flag(cmd, name):
@@ -108,7 +108,7 @@ def test_colocated_servers_start_with_the_memory_saver():
 
 
 def test_colocated_fleets_of_8_replicas_on_a_node_use_one_gpu_each():
-    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=8, per_node=8)
+    lay = Layout(tp=1, cp=1, pp=1, dp=8, per_node=8)
     slots = check_fleets(num_engines=1, tp=1, colocate=True, lay=lay)
     assert [s.base_gpu for fleet in slots for s in fleet] == list(range(8))
     with pytest.raises(PlacementError, match="rollout.sglang.num_engines x rollout.sglang.tp"):
@@ -117,16 +117,16 @@ def test_colocated_fleets_of_8_replicas_on_a_node_use_one_gpu_each():
 
 def test_colocated_placement_follows_the_replica_ranks():
     # TP 2 x PP 2 on 8 GPUs: replica 0 trains on GPUs 0, 1 (stage 0) and 4, 5 (stage 1)
-    lay = TrainerLayout(tp=2, cp=1, pp=2, dp=2, per_node=8)
+    lay = Layout(tp=2, cp=1, pp=2, dp=2, per_node=8)
     assert colocated_gpus(lay, 0) == [0, 1, 4, 5] and colocated_gpus(lay, 1) == [2, 3, 6, 7]
     assert [s.base_gpu for s in fleet_slots(num_engines=2, tp=2, colocate=True, lay=lay,
                                             replica=1)] == [2, 6]
     # CP 2 x TP 1 (the 1.7B PKL layout): 4 replicas of 2 GPUs on one node, 2 servers each
-    lay = TrainerLayout(tp=1, cp=2, pp=1, dp=4, per_node=8)
+    lay = Layout(tp=1, cp=2, pp=1, dp=4, per_node=8)
     fleets = check_fleets(num_engines=2, tp=1, colocate=True, lay=lay)
     assert sorted(s.base_gpu for f in fleets for s in f) == list(range(8))
     # a replica spanning nodes: its leader's node holds the first share of its fleet
-    lay = TrainerLayout(tp=8, cp=2, pp=2, dp=2, per_node=8)
+    lay = Layout(tp=8, cp=2, pp=2, dp=2, per_node=8)
     assert colocated_gpus(lay, 1) == list(range(8))
     assert [s.base_gpu for s in fleet_slots(num_engines=8, tp=4, colocate=True, lay=lay,
                                             replica=1)] == [0, 4]
@@ -134,7 +134,7 @@ def test_colocated_placement_follows_the_replica_ranks():
 
 # The 32B layout: TP 8 x CP 2 x PP 2 on 8 nodes of 8 GPUs, 2 replicas. Replica 0 trains on
 # ranks 0-15 (stage 0, nodes 0-1) and 32-47 (stage 1, nodes 4-5), replica 1 on 16-31 and 48-63.
-LAY_32B = TrainerLayout(tp=8, cp=2, pp=2, dp=2, per_node=8)
+LAY_32B = Layout(tp=8, cp=2, pp=2, dp=2, per_node=8)
 
 
 def _fleets(lay=LAY_32B, **kw):
@@ -196,7 +196,7 @@ def test_a_fleet_that_does_not_fit_names_the_keys():
 def test_servers_on_no_gpu_are_spread_without_a_fit():
     """A CPU stand-in (gpus false): the same spread over the replica's nodes, no slots, so a
     node with one trainer rank still holds two servers."""
-    lay = TrainerLayout(tp=1, cp=1, pp=2, dp=1, per_node=1)
+    lay = Layout(tp=1, cp=1, pp=2, dp=1, per_node=1)
     assert _fleets(lay, num_engines=3, tp=1, replica=0, gpus=False) == [
         (0, 0, 2, []), (1, 1, 1, [])]
     assert fleet_owners(num_engines=3, tp=1, colocate=True, lay=lay, replica=0,
@@ -206,12 +206,12 @@ def test_servers_on_no_gpu_are_spread_without_a_fit():
 
 
 def test_dedicated_servers_take_the_gpus_the_trainer_leaves():
-    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=4, per_node=2)  # 2 nodes x 2 trainer ranks
+    lay = Layout(tp=1, cp=1, pp=1, dp=4, per_node=2)  # 2 nodes x 2 trainer ranks
     fleets = check_fleets(num_engines=1, tp=3, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
     assert [(s.node, s.base_gpu) for f in fleets for s in f] == [(0, 2), (0, 5), (1, 2), (1, 5)]
     with pytest.raises(PlacementError, match="room for 2"):
         check_fleets(num_engines=1, tp=4, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
-    lay = TrainerLayout(tp=1, cp=1, pp=1, dp=8, per_node=4)
+    lay = Layout(tp=1, cp=1, pp=1, dp=8, per_node=4)
     fleets = check_fleets(num_engines=1, tp=1, colocate=False, lay=lay, nodes=2, gpus_per_node=8)
     assert [(s.node, s.base_gpu) for f in fleets for s in f] == \
         [(n, g) for n in range(2) for g in range(4, 8)]

@@ -156,7 +156,7 @@ def fp8_setup(tmp_path_factory):
     """An FP8 `megapkl serve` worker (--quantization fp8) and an SGLangEngine with rollout.fp8,
     shared by the FP8 tests of this module."""
     from megapkl.config import load_config
-    from megapkl.rollout.factory import engine_context
+    from engine_contexts import context_of
     from megapkl.rollout.sglang.build import build_sglang_engine
 
     tmp = tmp_path_factory.mktemp("fp8")
@@ -172,7 +172,7 @@ def fp8_setup(tmp_path_factory):
 
         # plain BF16 pushes to an FP8 server: quantized by the sync (the trainer's versions are
         # stored quantized already, and pushed as they are)
-        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)),
+        engine = build_sglang_engine(cfg.rollout, context_of(cfg, _hf(spec)),
                                      transform=sync_transform())
         yield engine, cluster.worker_urls[0], _hf(spec)
         engine.close()

@@ -14,7 +14,7 @@ def _probe(rank, world, cfg):
 
     from megapkl.train.loop import init_groups
 
-    g = init_groups(cfg)  # what the trainer does first
+    g = init_groups(cfg.parallel, cfg.model, cfg.train.seed)  # what the trainer does first
     t = torch.tensor([float(rank)], device=g.device)
     dist.all_reduce(t)
     device = torch.cuda.current_device() if torch.cuda.is_available() else None

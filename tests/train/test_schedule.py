@@ -58,7 +58,7 @@ def test_uniform_stale_lags_uniform_in_1_to_k_and_deterministic():
 
 def test_from_config_demo_and_pool_bound():
     cfg = load_config("configs/demo/cpu_demo.yaml")
-    s = Schedule.from_config(cfg)
+    s = Schedule.of(cfg.rollout, cfg.reference, cfg.seed)
     assert (s.protocol, s.refresh_every, s.reference_every) == ("periodic_refresh", 4, 4)
     cs = Schedule("controlled_staleness", minibatches=4, max_staleness=16, reference_mode="per_batch")
     for u in range(100):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,7 @@ def test_missing_and_corrupt_files_name_the_file(tmp_path):
 
 def stage_for(run_dir, *overrides):
     from megapkl.config import load_config
+    from megapkl.config.layout import Layout
     from megapkl.models.spec import spec_from_model_config
     from megapkl.train.rollouts import Replica, build_rollout_stage
 
@@ -101,7 +103,10 @@ def stage_for(run_dir, *overrides):
         "rollout.max_staleness=3", "rollout.snapshot_pool=4", "rollout.refresh_every=null",
         "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=2",
         "advantage.filter_constant_groups=false", *overrides])
-    return build_rollout_stage(cfg, spec_from_model_config(cfg.model), Replica())
+    return build_rollout_stage(
+        cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward, advantage=cfg.advantage,
+        spec=spec_from_model_config(cfg.model), replica=Replica(), layout=Layout.of(cfg.parallel, world=1),
+        run_dir=Path(cfg.run_dir), seed=cfg.seed, steps=cfg.train.steps)
 
 
 def engine_weights(stage, version: int):

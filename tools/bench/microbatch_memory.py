@@ -81,7 +81,9 @@ def worker(rank, world, args, skewed: bool, balanced: bool):
     if balanced:
         over.append(f"parallel.max_tokens_per_micro_batch={max(budget, args.base * args.stretch + args.prompt)}")
     cfg = load_config("configs/demo/cpu_demo.yaml", over)
-    learner = Learner(cfg, init_groups(cfg))
+    learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
+                      temperature=cfg.rollout.temperature,
+                      groups=init_groups(cfg.parallel, cfg.model, cfg.train.seed))
     mbs = learner.pack(samples(args, lengths(args, skewed), args.vocab))
     trainer_step(learner, mbs[:1], 0)   # warm-up: one-time allocations are not the pass's peak
     learner.model[0].zero_grad_buffer()

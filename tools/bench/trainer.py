@@ -31,8 +31,9 @@ def build(args):
         f"model.arch={{vocab_size: {args.vocab}, ffn_hidden_size: {4 * args.hidden}, "
         f"num_attention_heads: {args.hidden // 32}, num_query_groups: {args.hidden // 64}, head_dim: 32}}",
         f"parallel.micro_batch_size={args.micro}"])
-    groups = init_groups(cfg)
-    return cfg, Learner(cfg, groups)
+    groups = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
+    return cfg, Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
+                        temperature=cfg.rollout.temperature, groups=groups)
 
 
 def responses(args, g):
@@ -65,7 +66,7 @@ def bare_step(learner, mbs):
 def trainer_step(learner, mbs, step):
     from megapkl.parallel import megatron_loss as ML
 
-    obj, groups = learner.cfg.objective, learner.groups
+    obj, groups = learner.objective, learner.groups
     stats = ML.count_minibatch(mbs, groups)
     if ML.prepass_required(obj, groups, len(mbs)):
         stats = ML.run_prepass(obj, groups, learner.model, mbs, stats, learner.temperature, step)

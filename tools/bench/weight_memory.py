@@ -71,7 +71,14 @@ def child(url: str, spec: str, work: Path, bucket_mb: float) -> dict:
         from megapkl.rollout.sglang.build import build_sglang_engine
         from megapkl.rollout.version_store import VersionStore
 
-        engine = build_sglang_engine(cfg.rollout, engine_context(cfg, _hf(spec)))
+        try:
+            from megapkl.config.layout import Layout
+
+            ctx = engine_context(cfg.model, _hf(spec), work_dir=cfg.run_dir, seed=cfg.seed,
+                                 layout=Layout.of(cfg.parallel, world=1))
+        except ImportError:  # before the one layout value
+            ctx = engine_context(cfg, _hf(spec))
+        engine = build_sglang_engine(cfg.rollout, ctx)
     except ImportError:  # earlier revisions
         from megapkl.rollout.sglang.build import build_sglang_engine
         from megapkl.train.version_store import VersionStore

@@ -45,7 +45,8 @@ def config(args, dedicated: bool) -> SimpleNamespace:
                       colocate=not dedicated)
     rollout = SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
     model = SimpleNamespace(hf_checkpoint=args.model, dtype="bf16", routing_replay=False)
-    parallel = SimpleNamespace(tensor=1, context=1, pipeline=1, data=1)
+    parallel = SimpleNamespace(tensor=1, context=1, pipeline=1, data=1, expert=1,
+                               sequence_parallel=False)
     return SimpleNamespace(rollout=rollout, model=model, parallel=parallel, run_dir=args.out,
                            name="sglang_smoke", seed=0)
 
@@ -62,6 +63,7 @@ def main() -> None:
     from megapkl.rollout.embedded import iter_safetensors
     from megapkl.rollout.engine import SamplingParams
     from megapkl.rollout.sample import PromptItem
+    from megapkl.config.layout import Layout
     from megapkl.rollout.factory import engine_context
     from megapkl.rollout.sglang.build import build_sglang_engine
 
@@ -70,7 +72,9 @@ def main() -> None:
     dedicated = torch.cuda.device_count() >= 2
     torch.cuda.set_device(0)
     cfg = config(args, dedicated)
-    engine = build_sglang_engine(cfg.rollout, engine_context(cfg, hf_config), tokenizer=tok)
+    ctx = engine_context(cfg.model, hf_config, work_dir=cfg.run_dir, seed=cfg.seed,
+                         layout=Layout.of(cfg.parallel, world=1))
+    engine = build_sglang_engine(cfg.rollout, ctx, tokenizer=tok)
     print(json.dumps({"step": "launched", "command": engine.fleet.workers[0].spec.cmd}),
           flush=True)
     weights = [(n, t.to("cuda:0")) for n, t in iter_safetensors(args.model)]

@@ -18,8 +18,7 @@ from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, loc
                                            releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
-from megapkl.rollout.sglang.placement import (PlacementError, Slot, TrainerLayout, fleet_slots,
-                                              ranks_per_node)
+from megapkl.rollout.sglang.placement import PlacementError, Slot, fleet_slots
 from megapkl.rollout.sglang.served import (DETERMINISTIC, Expected, check_served, draws_from_seed,
                                            expected)
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
@@ -102,20 +101,14 @@ def node_gpus() -> Optional[int]:
     return int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) or torch.cuda.device_count() or None
 
 
-def _layout(ctx: Any) -> TrainerLayout:
-    return TrainerLayout(tp=ctx.tensor, cp=ctx.context, pp=ctx.pipeline, dp=ctx.replicas,
-                         per_node=ranks_per_node())
-
-
 def engine_slots(rollout: Any, ctx: Any) -> list[Slot]:
     """Where the SGLang servers of this engine go on the GPUs (placement.py): replica
     `ctx.replica`'s fleet on the node of `ctx.rank` when colocated (default: its leader's), from
-    the trainer's layout (`ctx.tensor`, `ctx.context`, `ctx.pipeline`, `ctx.replicas`) and this
-    process's place in it (LOCAL_WORLD_SIZE: trainer ranks per node)."""
+    the trainer's layout (`ctx.layout`, its ranks per node included)."""
     sg, replica = rollout.sglang, ctx.replica
     try:
         return fleet_slots(num_engines=sg.num_engines, tp=sg.tp, colocate=sg.colocate,
-                           lay=_layout(ctx), replica=replica, nodes=max(1, len(slurm_nodes())),
+                           lay=ctx.layout, replica=replica, nodes=max(1, len(slurm_nodes())),
                            gpus_per_node=node_gpus(), every_node=sg.every_node, owner=ctx.rank)
     except PlacementError as exc:
         raise ServerLaunchError(str(exc)) from None
@@ -138,8 +131,8 @@ def fleet_lane(rollout: Any, ctx: Any) -> Lane:
 
     sg = rollout.sglang
     if not sg.colocate:
-        return Lane(servers=sg.num_engines, lane=ctx.replica, lanes=ctx.replicas)
-    lay = _layout(ctx)
+        return Lane(servers=sg.num_engines, lane=ctx.replica, lanes=ctx.layout.dp)
+    lay = ctx.layout
     owners = engine_owners(rollout, lay)
     me = lay.leader(ctx.replica) if ctx.rank is None else ctx.rank
     flat = [(d, rank, n) for d, fleets in enumerate(owners) for rank, n in fleets]
@@ -244,7 +237,7 @@ def connect_fleet(sg: Any, want: Expected, stopping: Callable[[], bool] = lambda
 def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
                         transform: Optional[Transform] = None) -> SGLangEngine:
     """The engine of `rollout.sglang` for the engine context `ctx`
-    (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.replicas` (data-parallel
+    (megapkl.rollout.factory.EngineContext): replica `ctx.replica` of `ctx.layout.dp` (data-parallel
     leaders); with several, each launches its own fleet, logs and exports under
     <run_dir>/sglang/replica<r>/, and a colocated replica spanning nodes has one fleet per node
     (`ctx.rank`'s, under .../node<k>/). The trainer pushes versions already quantized under
@@ -256,7 +249,7 @@ def build_sglang_engine(rollout: Any, ctx: Any, tokenizer: Any = None,
     hf_config = {**ctx.hf_config,
                  "torch_dtype": "float32" if ctx.model_dtype == "fp32" else "bfloat16"}
     work = Path(ctx.work_dir) / "sglang"
-    if ctx.replicas > 1:
+    if ctx.layout.dp > 1:
         work = work / f"replica{ctx.replica}"
     if sg.urls:
         fleet = connect_fleet(sg, expected(rollout, ctx), stopping=ctx.stopping)

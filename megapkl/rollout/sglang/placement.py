@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megapkl.config.layout import Layout
 from megapkl.errors import MegapklError
 
 
@@ -65,33 +66,6 @@ def check_nodes(hosts: list[str], per_node: int, gpus: bool = True) -> None:
 
 
 @dataclass(frozen=True)
-class TrainerLayout:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-    per_node: int = 1  # trainer ranks (= GPUs) per node
-
-    def replica_ranks(self, d: int) -> list[int]:
-        return [t + self.tp * (c + self.cp * (d + self.dp * p))
-                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)]
-
-    def leader(self, d: int) -> int:
-        return self.tp * self.cp * d
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.per_node
-
-    def replica_nodes(self, d: int) -> list[int]:
-        """The nodes replica `d` trains on, in allocation order."""
-        return sorted({self.node_of(r) for r in self.replica_ranks(d)})
-
-    def first_rank_on(self, d: int, node: int) -> int:
-        """Replica `d`'s lowest global rank on `node` (the owner of the fleet there)."""
-        return min(r for r in self.replica_ranks(d) if self.node_of(r) == node)
-
-
-@dataclass(frozen=True)
 class Slot:
     """Where one server runs: `node` (an index into the allocation's nodes; None: the replica
     leader's own node) and the first of its GPUs there."""
@@ -112,7 +86,7 @@ def _chunks(gpus: list[int], tp: int) -> list[int]:
     return bases
 
 
-def colocated_gpus(lay: TrainerLayout, d: int, node: Optional[int] = None) -> list[int]:
+def colocated_gpus(lay: Layout, d: int, node: Optional[int] = None) -> list[int]:
     """GPUs (node-local indices) replica `d` trains on, on `node` (default: its leader's)."""
     node = lay.node_of(lay.leader(d)) if node is None else node
     return sorted(r % lay.per_node for r in lay.replica_ranks(d) if lay.node_of(r) == node)
@@ -135,7 +109,7 @@ class NodeFleet:
     slots: tuple[Slot, ...]
 
 
-def colocated_fleets(*, num_engines: int, tp: int, lay: TrainerLayout, replica: int,
+def colocated_fleets(*, num_engines: int, tp: int, lay: Layout, replica: int,
                      every_node: bool = True, gpus: bool = True) -> list[NodeFleet]:
     """Replica `replica`'s colocated fleets, one per node that holds servers, in node order;
     PlacementError when a node's share does not fit the GPUs the replica trains on there.
@@ -165,7 +139,7 @@ def colocated_fleets(*, num_engines: int, tp: int, lay: TrainerLayout, replica: 
     return fleets
 
 
-def fleet_slots(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout, replica: int,
+def fleet_slots(*, num_engines: int, tp: int, colocate: bool, lay: Layout, replica: int,
                 nodes: int = 1, gpus_per_node: Optional[int] = None, every_node: bool = True,
                 owner: Optional[int] = None) -> list[Slot]:
     """The slots of the servers global rank `owner` launches for replica `replica` (colocated:
@@ -191,7 +165,7 @@ def fleet_slots(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout
     return slots[replica * num_engines:(replica + 1) * num_engines]
 
 
-def check_fleets(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout,
+def check_fleets(*, num_engines: int, tp: int, colocate: bool, lay: Layout,
                  nodes: int = 1, gpus_per_node: Optional[int] = None,
                  every_node: bool = True) -> list[list[Slot]]:
     """Every replica's slots, with the node each server runs on (PlacementError naming the keys
@@ -204,7 +178,7 @@ def check_fleets(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayou
                         nodes=nodes, gpus_per_node=gpus_per_node) for d in range(lay.dp)]
 
 
-def fleet_owners(*, num_engines: int, tp: int, colocate: bool, lay: TrainerLayout,
+def fleet_owners(*, num_engines: int, tp: int, colocate: bool, lay: Layout,
                  replica: int, every_node: bool = True, gpus: bool = True
                  ) -> list[tuple[int, int]]:
     """(owner's global rank, its servers) for each fleet of replica `replica`: the colocated
