@@ -160,10 +160,11 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
             advantage=cfg.advantage, spec=learner.spec, replica=Replica(),
             layout=Layout.of(cfg.parallel, world=1), run_dir=Path(cfg.run_dir), seed=cfg.seed,
             steps=cfg.train.steps, hold=hold)
-        stage.engine.update_weights(learner.export(), 1)
+        engine = stage.slot.engine
+        engine.update_weights(learner.export(), 1)
         prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
-        samples = stage.engine.generate(prompts, responses,
-                                        dataclasses.replace(stage.sampling, seed=cfg.seed))
+        samples = engine.generate(prompts, responses,
+                                  dataclasses.replace(stage.sampling, seed=cfg.seed))
     for s in samples:
         s.advantage = 0.0  # no loss is taken; the packer carries one per response
     micro_batches = learner.pack(samples)

@@ -63,7 +63,8 @@ class CheckpointManager:
                  timers: Optional[Timers] = None) -> None:
         """`section`: the checkpoint section; `steps`: the run's last update (train.steps),
         always saved; `layout`: recorded in every manifest."""
-        self.section, self.parts, self.steps, self.layout = section, parts, steps, layout
+        self.section, self.parts, self.steps = section, parts, steps
+        self.sizes = layout.sizes()  # once: no config code runs inside an update
         self.timers = timers or Timers()
         self.saved: Optional[int] = None  # the step this run saved (or resumed from) last
 
@@ -78,7 +79,7 @@ class CheckpointManager:
         if self.saved != step:
             t0 = time.perf_counter()
             with self.timers("checkpoint"):
-                path = save(self.section, self.parts, step, self.layout.sizes())
+                path = save(self.section, self.parts, step, self.sizes)
             self.saved = step
             if dist.get_rank() == 0:
                 print(f"[megapkl.train] saved checkpoint {path} in {time.perf_counter() - t0:.1f} s",

@@ -15,7 +15,7 @@ every rank, the engine recorded at the version rollouts were using.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
@@ -23,10 +23,11 @@ from megapkl.train.agree import agree, attempt
 
 
 class Evaluator:
-    """Owned by the trainer; handed the sections, the rollout stage (its engine) and the export."""
+    """Owned by the trainer; handed the sections, the policy versions, the engine slot and the
+    export."""
 
     def __init__(self, eval_cfg: Any, rollout_cfg: Any, data_cfg: Any, *, seed: int,
-                 tokenizer: Any, out_dir: Path, dp: tuple[int, int], rollouts: Any,
+                 tokenizer: Any, out_dir: Path, dp: tuple[int, int], versions: Any, slot: Any,
                  export: Callable[[], Iterable]) -> None:
         from megapkl.eval.runner import Scoring, load_benchmarks
 
@@ -34,7 +35,8 @@ class Evaluator:
         self.benchmarks = load_benchmarks(eval_cfg, data_cfg, tokenizer)
         self.scoring = Scoring(tokenizer=None if data_cfg.synthetic else tokenizer,
                                timeout_s=eval_cfg.verify_timeout_s)
-        self.out_dir, self.dp, self.rollouts, self.export = Path(out_dir), dp, rollouts, export
+        self.out_dir, self.dp, self.export = Path(out_dir), dp, export
+        self.versions, self.slot = versions, slot
 
     def due(self, u: int) -> bool:
         """Is the evaluation after update u due (eval.every)?"""
@@ -67,24 +69,16 @@ class Evaluator:
         """(None, this rank's records), or (what failed here, [])."""
         from megapkl.eval.runner import evaluate
 
-        stage = self.rollouts
-        stage.remember(version, self.export)  # collective: into the store, as rollouts get it
-        stage.make_room()  # collective: the servers' memory comes back for the evaluation
-        if stage.engine is None:
+        self.versions.remember(version, self.export)  # collective: into the store, as rollouts
+        self.slot.make_room()  # collective: the servers' memory comes back for the evaluation
+        if self.slot.engine is None:
             return None, []
 
-        def records() -> list:
-            stage.use_version(version)
-            return evaluate(stage.engine, self.benchmarks, self.cfg, self.rollout_cfg,
-                            step=version, seed=self.seed, scoring=self.scoring, share=self.dp)
-        with stage.exclusive():  # between generations ahead of training (rollout.async_batches)
-            previous, held = stage.engine.version, stage.held  # held: as the schedule left it
-            got, error = attempt(records)
-            if error is None and previous is not None and previous != version \
-                    and previous in stage.store.versions():
-                _, error = attempt(lambda: stage.use_version(previous))  # back to the rollouts'
-        if error is not None:
-            stage.failed_with(held)  # the version rollouts were using, not the eval's
+        def records() -> list:  # between generations ahead of training (rollout.async_batches)
+            with self.slot.borrowed(version) as engine:  # back at the rollouts' version after
+                return evaluate(engine, self.benchmarks, self.cfg, self.rollout_cfg, step=version,
+                                seed=self.seed, scoring=self.scoring, share=self.dp)
+        got, error = attempt(records)
         return error, got or []
 
     def close(self) -> None:

@@ -7,11 +7,14 @@ ranks sharing a DP index) the first rank runs the engine, or with colocated SGLa
 node of the replica each node's first rank runs that node's (placement.py): each generates a
 contiguous share of the replica's prompt groups (by its servers) and every rank of the replica
 gets all the samples. A group's draws depend on its global slot and version only, so how the
-groups are shared changes no sample. The
-policy versions the schedule still needs are files of a `VersionStore` (Hugging Face names, block
-FP8 when rollout.fp8), written once by global rank 0 and loaded by each engine through the disk
-path, so stale protocols (controlled staleness, uniform stale) generate from exact old weights
-without holding them in host memory.
+groups are shared changes no sample.
+
+The stage is three owned parts: the policy versions the schedule still needs
+(train/policy_versions.py: files written once, loaded by every engine), this rank's engine slot
+(train/engine_slot.py: one unit of work or one evaluation at a time, and the version a checkpoint
+records), and the batch collector here (prompts, draw rounds, rewards, advantages, the producer).
+The trainer drives the versions (remember, drop, forget_before) as its Schedule says; the
+Evaluator borrows the slot.
 
 Whatever fails on a rank that runs an engine (the engine, a version file, a weight update, the
 server's answer, the reward function) is agreed over the data-parallel ranks
@@ -27,9 +30,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,9 @@ from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
 from megapkl.rollout.seeds import prompt_seed
 from megapkl.rollout.version_store import VersionStore
-from megapkl.train.agree import RankError, RanksFailed, agree, agreed, attempt, feed
+from megapkl.train.agree import RankError, RanksFailed, agree, attempt
+from megapkl.train.engine_slot import EngineSlot, load_order
+from megapkl.train.policy_versions import PolicyVersions
 from megapkl.train.producer import Producer
 from megapkl.train.timers import Timers
 
@@ -114,15 +118,16 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
                         hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
                         stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
     """The stage of the rollout section, with the model, data, reward and advantage sections it
-    reads: tokenizer and prompts (data), reward, version store (under `run_dir`) and, on a rank
-    that runs one of its replica's engines (Replica.owners), the engine, placed by the trainer's
-    `layout`. `steps`: the run's updates (train.steps). `hold(x)` registers x's close with the
-    run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches'
-    versions under async_batches."""
+    reads: tokenizer and prompts (data), reward, the policy versions (under `run_dir`) and, on a
+    rank that runs one of its replica's engines (Replica.owners), the engine in its slot, placed
+    by the trainer's `layout`. `steps`: the run's updates (train.steps). `hold(x)` registers x's
+    close with the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming
+    batches' versions under async_batches."""
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
+    from megapkl.rollout.sglang.launch import releases_memory
 
-    r = rollout
+    r, timers = rollout, timers or Timers()
     if r.prompts_per_batch % (replica.dp_size * r.minibatches_per_batch):
         raise RolloutError(
             f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
@@ -130,7 +135,9 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
             f"({r.minibatches_per_batch}) so every rank holds whole prompt groups")
     tokenizer, dataset, task = build_tokenizer_and_data(model, data, r.max_prompt_len)
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    store = VersionStore(Path(run_dir) / "policy_versions", writer=writer)
+    versions = PolicyVersions(VersionStore(Path(run_dir) / "policy_versions", writer=writer),
+                              fp8=r.fp8, pool=r.snapshot_pool, reader=replica.engine,
+                              timers=timers)
     engine = scorer = None
     if replica.engine:  # the replica's other ranks get the scored samples from its engines
         scorer = hold(build_reward(reward, data, tokenizer, task))
@@ -140,127 +147,46 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=model.routing_replay)
     ahead = None
-    if r.async_batches and schedule is not None:
+    if r.async_batches and schedule is not None and replica.engine:
         ahead = Ahead(r.async_batches, schedule.group_versions,
                       -(-steps // r.minibatches_per_batch))
+    slot = EngineSlot(engine, versions, group=replica.group, shared=len(replica.owners) > 1,
+                      ahead=ahead is not None, timers=timers,
+                      releases_memory=r.engine == "sglang" and releases_memory(r.sglang))
     return RolloutStage(r, advantage, data=data, correct=reward.correct, seed=seed,
-                        tokenizer=tokenizer, dataset=dataset, reward=scorer, store=store,
-                        engine=engine, sampling=sampling, replica=replica, timers=timers,
+                        tokenizer=tokenizer, dataset=dataset, reward=scorer, versions=versions,
+                        slot=slot, sampling=sampling, replica=replica, timers=timers,
                         ahead=ahead)
 
 
 class RolloutStage:
+    """The batch collector: prompts, draw rounds, rewards, advantages and the generation ahead,
+    over the policy versions (`versions`) and this rank's engine slot (`slot`), which it is
+    handed and which an evaluation uses as well."""
+
     def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
-                 tokenizer: Any,
-                 dataset: Any, reward: Any, store: VersionStore, engine: Any,
-                 sampling: SamplingParams, replica: Replica, timers: Optional[Timers] = None,
-                 ahead: Optional[Ahead] = None) -> None:
+                 tokenizer: Any, dataset: Any, reward: Any, versions: PolicyVersions,
+                 slot: EngineSlot, sampling: SamplingParams, replica: Replica,
+                 timers: Optional[Timers] = None, ahead: Optional[Ahead] = None) -> None:
         from megapkl.rollout.data import PromptIterator
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
         self.tokenizer, self.dataset, self.reward = tokenizer, dataset, reward
         self.correct = correct  # the reward `train/accuracy` counts (reward.correct)
-        self.store, self.engine, self.sampling, self.replica = store, engine, sampling, replica
+        self.versions, self.slot, self.sampling, self.replica = versions, slot, sampling, replica
         self.timers = timers or Timers()
         self.prompts = PromptIterator(len(dataset), seed=data.seed, shuffle=data.shuffle)
         self.per_rank = rollout.prompts_per_batch // replica.dp_size
         self.group_size = rollout.responses_per_prompt
-        self.transform = None
-        if rollout.fp8:  # every version is written (and pushed) already quantized, here only
-            from megapkl.rollout.fp8 import FP8Transform
-
-            self.transform = FP8Transform()
         self.versions_loaded = 0
-        self.kept: set[int] = set()  # the versions in the store (the same on every rank)
-        # After a failed batch or evaluation, the version a checkpoint records as the engine's:
-        # the one it held before (None: the next batch loads what it needs).
-        self._failed, self._version_before_failure = False, None
-        # Generation ahead (engines only): the engine does one unit of work at a time; `_held` is
-        # the version a single engine would hold after the last unit a batch used (what a
-        # checkpoint records; the same on every engine of the replica).
-        self.ahead = ahead if replica.engine else None
+        self.ahead = ahead  # generation ahead (engines only): one unit of work at a time
         self.producer: Optional[Producer] = None
-        self._engine_lock, self._held = threading.Lock(), None
-
-    @property
-    def leader(self) -> bool:
-        return self.replica.leader
-
-    @property
-    def held(self) -> Optional[int]:
-        """The engine's version as the rollout schedule left it (generation ahead aside)."""
-        if self.engine is None:
-            return None
-        shared = len(self.replica.owners) > 1  # each engine holds the last version of its share
-        return self._held if self.ahead or shared else self.engine.version
-
-    def exclusive(self) -> threading.Lock:
-        """Hold the engine between generations (an evaluation pushes its own weights)."""
-        return self._engine_lock
-
-    # ------------------------------------------------------------------ weights
-
-    def remember(self, version: int, export: Callable[[], Iterable]) -> None:
-        """Write the weights of `version` into the store, FP8-quantized under rollout.fp8 (the one
-        place that decides it), unless it holds them already (an evaluation wrote them).
-        `export()`: the learner's collective export, consumed on every rank and written only by
-        the store's writer. Collective; a failure to write is agreed over every rank."""
-        if version in self.kept:
-            return
-
-        def write(stream) -> None:
-            if self.store.writer and self.transform is not None:
-                stream = self.transform(stream)
-            self.store.save(version, stream)
-        with self.timers("export"):
-            error = feed(export(), write)
-            agree(error, what="saving the policy version")
-        self.kept.add(version)
-        if self.producer is not None:
-            self.producer.published(version)
-
-    def drop(self, version: int) -> None:
-        """`version` is not needed (an evaluation wrote it; no batch is generated from it)."""
-        if version in self.kept:
-            self.kept.discard(version)
-            if self.producer is not None:
-                self.producer.withdrawn(lambda v: v in self.kept)
-            if self.store.writer:
-                self.store.path(version).unlink(missing_ok=True)
-
-    def forget_before(self, version: int) -> None:
-        self.store.delete_before(version)
-        self.kept = {v for v in self.kept if v >= version}
-        if self.producer is not None:
-            self.producer.withdrawn(lambda v: v in self.kept)
-        held, cap = len(self.kept), self.rollout.snapshot_pool
-        if held > cap:
-            raise RolloutError(f"rollout.snapshot_pool ({cap}): the schedule needs {held} policy "
-                               "versions at once; raise rollout.snapshot_pool")
-
-    def use_version(self, version: int, timers: Optional[Timers] = None) -> None:
-        """Give this leader's engine `version` from the store (nothing if it holds it): a
-        reference to the stored file, which the engine reads, never a copy of the weights."""
-        if self.engine.version == version:
-            return
-        with (timers or self.timers)("sync"):
-            self.engine.update_weights(self.store.get(version), version)
-
-    def make_room(self) -> None:
-        """Collective over the replica: colocated SGLang servers take their GPU memory back for a
-        generation, so every rank of the replica (any of them may share a GPU with a server)
-        hands its cached blocks back first and meets the others before an engine resumes them."""
-        from megapkl.rollout.sglang.launch import releases_memory
-
-        if self.rollout.engine == "sglang" and releases_memory(self.rollout.sglang):
-            from megapkl.rollout.sglang.weights import free_cached_memory
-
-            free_cached_memory(self.replica.group)
 
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine switched to for the current batch, counted from the one
         the previous batch left it at (an evaluation or generation ahead may load more)."""
-        return {"rollout/versions_loaded": float(self.versions_loaded)} if self.leader else {}
+        return {"rollout/versions_loaded": float(self.versions_loaded)} if self.replica.leader \
+            else {}
 
     # ------------------------------------------------------------------ batches
 
@@ -269,9 +195,9 @@ class RolloutStage:
         advantages (Sample.advantage). Collective; on a failure anywhere, RanksFailed on every
         rank with the rollout state as it was before the batch (a checkpoint taken then is the one
         of the last finished update, and a resume regenerates the batch exactly)."""
-        prompts, held = self.prompts.state_dict(), self.held
+        prompts, held = self.prompts.state_dict(), self.slot.held
         self.versions_loaded = 0
-        self.make_room()
+        self.slot.make_room()
         try:
             samples = self._collect(batch, group_versions)
             self._plan_ahead(batch)
@@ -279,19 +205,11 @@ class RolloutStage:
         except RanksFailed:
             if self.producer is not None:  # the run stops: no more generation ahead
                 self.producer.stop()
-            if self.engine is not None:  # what it answered is there for the resumed run
-                self.engine.keep_answers()
+            if self.slot.engine is not None:  # what it answered is there for the resumed run
+                self.slot.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
-            self.failed_with(held)
+            self.slot.failed_with(held)
             raise
-
-    def failed_with(self, version: Optional[int]) -> None:
-        """After a failure: checkpoints taken from now on record `version` (the one the engine
-        held before the failed batch or evaluation) as the engine's, if the store still has it
-        (the loop forgets versions the schedule no longer needs at the start of an update); else a
-        resume loads what the next batch needs, as the uninterrupted run did."""
-        self._failed = True
-        self._version_before_failure = version if version in self.store.versions() else None
 
     def _collect(self, batch: int, group_versions: Sequence[int]) -> list[Sample]:
         kept: list[list[Sample]] = []
@@ -349,7 +267,7 @@ class RolloutStage:
         """An engine's part of `_generate`: the unit `key` (batch, round, its share of `whole`),
         generated ahead if it was (rollout.async_batches), else here; its time goes to this
         batch. The versions loaded are counted for `whole` from the one the previous unit left
-        (`_held`): what one synchronous engine loads, however the engines were used in between
+        (the slot's): what one synchronous engine loads, however the engines were used in between
         and however the replica's groups were shared."""
         if not key[2]:  # more engines than groups: nothing here
             self._count_loads(whole)
@@ -371,9 +289,7 @@ class RolloutStage:
         return groups
 
     def _count_loads(self, whole: Sequence[tuple[int, int, int]]) -> None:
-        order = _load_order(whole, self._held)
-        self.versions_loaded += sum(a != b for a, b in zip([self._held, *order], order))
-        self._held = order[-1]
+        self.versions_loaded += self.slot.count_loads(v for _, _, v in whole)
 
     def _work(self, key: tuple) -> tuple:
         """(groups, error, its timers) of one unit, with the engine held; the groups are a pure
@@ -383,9 +299,9 @@ class RolloutStage:
 
         def run():
             if rnd == 0:
-                self.engine.new_batch()  # the answered-groups store follows the batch
+                self.slot.engine.new_batch()  # the answered-groups store follows the batch
             return self._generate_here(batch, rnd, todo, timers)
-        with self._engine_lock:
+        with self.slot.lock:
             groups, error = attempt(run)
         return groups, error, timers
 
@@ -405,7 +321,8 @@ class RolloutStage:
             self.producer = Producer(
                 self._work, versions=lambda k: [v for _, _, v in k[2]],
                 failed=lambda r: r[1] is not None,
-                on_error=self._failed_unit, published=self.kept)
+                on_error=self._failed_unit, published=self.versions.kept)
+            self.versions.watch(self.producer)
         prompts, keys = copy.deepcopy(self.prompts), []
         r = self.replica
         for b in range(batch + 1, min(batch + 1 + self.ahead.batches, self.ahead.total)):
@@ -420,16 +337,17 @@ class RolloutStage:
                        timers: Timers) -> list[list[Sample]]:
         """Run the engine at each scheduled version: samples per group."""
         groups: dict[int, list[Sample]] = {}
-        for version in _load_order(todo, self.engine.version):
+        engine = self.slot.engine
+        for version in load_order((v for _, _, v in todo), engine.version):
             part = [(i, slot) for i, slot, v in todo if v == version]
-            self.use_version(version, timers)
+            self.slot.use(version, timers)
             seed = mix64_int(mix64_int(mix64_int(self.seed) + batch) + rnd * 7919 + version) >> 1
             # per global slot: a group's draws do not depend on the DP size or the call's other
             # prompts, so a layout changes no sample
             sampling = dataclasses.replace(self.sampling, prompt_seeds=tuple(
                 prompt_seed(seed, slot) for _, slot in part))
             with timers("generate"):
-                samples = self.engine.generate([self.dataset[i] for i, _ in part],
+                samples = engine.generate([self.dataset[i] for i, _ in part],
                                                self.group_size, sampling)
             with timers("reward"):
                 self.reward(samples)
@@ -458,38 +376,13 @@ class RolloutStage:
 
     def state_dict(self) -> dict:
         """The prompt iterator and the engine's version (rank 0's are every engine's)."""
-        held = self.held
-        if self._failed:  # after a failure: the version before the batch or evaluation
-            held = self._version_before_failure
-        return {"prompts": self.prompts.state_dict(), "engine_version": held}
+        return {"prompts": self.prompts.state_dict(), "engine_version": self.slot.recorded()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Collective: the leaders' engines load the saved version (after `load_files`); a
+        """Collective: the engines load the saved version (after the versions' files); a
         failure on any rank is agreed."""
         self.prompts.load_state_dict(state["prompts"])
-        v = state["engine_version"]
-        if v is not None:
-            agreed(lambda: self.use_version(v) if self.engine is not None else None,
-                   what=f"loading policy version {v} into the engines")
-            self._held = v
-
-    def save_files(self, checkpoint: Path) -> None:
-        """The versions are referenced by the checkpoint (hard links under
-        `<checkpoint>/policy_versions`), never pickled into it."""
-        if self.store.writer:
-            self.store.link_into(Path(checkpoint) / "policy_versions", self.store.versions())
-
-    def load_files(self, checkpoint: Path) -> None:
-        """Collective: the checkpoint's versions back into the store (agreed)."""
-        src = Path(checkpoint) / "policy_versions"
-
-        saved = VersionStore(src, writer=False).versions()
-
-        def restore() -> None:
-            if self.engine is not None or self.store.writer:
-                self.store.restore_from(src, saved)
-        agreed(restore, what="restoring the checkpoint's policy versions")
-        self.kept = set(saved)
+        self.slot.load(state["engine_version"])
 
     def stop_ahead(self) -> None:
         """No more generation ahead: returns when the producer's thread has ended."""
@@ -500,16 +393,10 @@ class RolloutStage:
         """The generation ahead, the engine (launched servers stop with the run) and the
         reward's worker (for a stage built without a run to hold them)."""
         self.stop_ahead()
-        for part in (self.engine, self.reward):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
-
-
-def _load_order(todo: Sequence[tuple[int, int, int]], held: Optional[int]) -> list[int]:
-    """The versions of a unit in the order the engine takes them: the one it holds first (a refill
-    round starts without a reload), then ascending."""
-    return sorted({v for _, _, v in todo}, key=lambda v: (v != held, v))
+        self.slot.close()
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
 
 
 def _constant(members: Sequence[Sample]) -> bool:

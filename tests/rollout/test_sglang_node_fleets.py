@@ -51,7 +51,7 @@ def _kill_when(trainer, update: int) -> threading.Thread:
     def watch() -> None:
         while trainer.loop.update < update:
             time.sleep(0.05)
-        os.kill(trainer.rollouts.engine.fleet.workers[0].process.popen.pid, signal.SIGKILL)
+        os.kill(trainer.rollouts.slot.engine.fleet.workers[0].process.popen.pid, signal.SIGKILL)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
@@ -72,10 +72,10 @@ def train_and_check_weights(rank, world, cfg, kill=None):
         if killer is not None:
             killer.join(timeout=5)
         stage = trainer.rollouts
-        if stage.engine is None:
+        if stage.slot.engine is None:
             return {"rank": rank, "workers": []}
-        stored = list(stage.store.get(stage.engine.version).stream())
-        workers = [w.url for w in stage.engine.fleet.workers]
+        stored = list(stage.versions.get(stage.slot.engine.version).stream())
+        workers = [w.url for w in stage.slot.engine.fleet.workers]
         differ = []
         for url in workers:
             for name, tensor in stored:
@@ -84,7 +84,7 @@ def train_and_check_weights(rank, world, cfg, kill=None):
                 if not torch.equal(held.to(tensor.dtype), tensor):
                     differ.append((url, name))
         return {"rank": rank, "workers": workers, "tensors": len(stored), "differ": differ,
-                "version": stage.engine.version}
+                "version": stage.slot.engine.version}
 
 
 def _run(dist_run, run_dir: Path, extra: list[str], kill=None):

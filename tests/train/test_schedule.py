@@ -63,3 +63,18 @@ def test_from_config_demo_and_pool_bound():
     cs = Schedule("controlled_staleness", minibatches=4, max_staleness=16, reference_mode="per_batch")
     for u in range(100):
         assert u - cs.oldest_needed(u) <= 16 + 3 + 1
+
+
+@pytest.mark.parametrize("schedule", [
+    Schedule("periodic_refresh", refresh_every=4, groups_per_batch=2),
+    Schedule("controlled_staleness", minibatches=4, groups_per_batch=3, max_staleness=5),
+    Schedule("controlled_staleness", minibatches=2, groups_per_batch=3, max_staleness=0),
+    Schedule("uniform_stale", groups_per_batch=8, max_staleness=3, seed=5),
+    Schedule("on_policy")], ids=lambda s: s.protocol)
+def test_versions_not_kept_are_never_generated_from(schedule):
+    """The trainer keeps version u for the rollouts only when `may_generate_from(u)`: every
+    version a batch names must be one of those (else its file was never written)."""
+    named = {v for b in range(240 // schedule.minibatches) for v in schedule.group_versions(b)}
+    assert named and all(schedule.may_generate_from(v) for v in named)
+    if schedule.protocol in ("periodic_refresh", "controlled_staleness"):  # none kept in vain
+        assert {u for u in range(200) if schedule.may_generate_from(u)} <= named

@@ -105,14 +105,15 @@ def stage_for(run_dir, *overrides):
         "advantage.filter_constant_groups=false", *overrides])
     return build_rollout_stage(
         cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward, advantage=cfg.advantage,
-        spec=spec_from_model_config(cfg.model), replica=Replica(), layout=Layout.of(cfg.parallel, world=1),
+        spec=spec_from_model_config(cfg.model), replica=Replica(),
+        layout=Layout.of(cfg.parallel, world=1),
         run_dir=Path(cfg.run_dir), seed=cfg.seed, steps=cfg.train.steps)
 
 
 def engine_weights(stage, version: int):
     g = torch.Generator().manual_seed(version)
     return ((n, torch.randn(p.shape, generator=g) * 0.5)
-            for n, p in stage.engine.model.state_dict().items())
+            for n, p in stage.slot.engine.model.state_dict().items())
 
 
 def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
@@ -122,12 +123,12 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
 
     stage = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
     for v in range(5):
-        stage.remember(v, lambda: engine_weights(stage, v))
-        stage.forget_before(v - 3)
-    assert stage.store.versions() == [1, 2, 3, 4]
+        stage.versions.remember(v, lambda: engine_weights(stage, v))
+        stage.versions.forget_before(v - 3)
+    assert stage.versions.store.versions() == [1, 2, 3, 4]
     if fp8:  # stored already quantized
         from safetensors import safe_open
-        with safe_open(str(stage.store.path(4)), framework="pt") as h:
+        with safe_open(str(stage.versions.store.path(4)), framework="pt") as h:
             assert h.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
     versions = [4, 1, 3, 2, 4, 1, 3, 2]
     samples = stage.collect(0, versions)
@@ -136,25 +137,25 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     assert stage.timers.totals["sync"] > 0
     # Checkpoint (references), the run directory loses the files, resume restores them.
     ckpt = tmp_path / "ckpt"
-    stage.save_files(ckpt)
+    stage.versions.save_files(ckpt)
     state = stage.state_dict()
     assert "pool" not in state and sorted(p.name for p in (ckpt / "policy_versions").iterdir()) == \
         [f"v{v:08d}.safetensors" for v in (1, 2, 3, 4)]
-    stage.store.delete_before(100)
+    stage.versions.store.delete_before(100)
     again = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
-    again.load_files(ckpt)
+    again.versions.load_files(ckpt)
     again.load_state_dict(state)
     a, b = stage.collect(1, versions), again.collect(1, versions)
     assert all(torch.equal(x.logp_behav, y.logp_behav) and torch.equal(x.response_ids, y.response_ids)
                for x, y in zip(a, b))
     # A needed version missing on disk is an error naming the file, not a silent skip.
-    gone = 3 if again.engine.version != 3 else 2
-    again.store.path(gone).unlink()
+    gone = 3 if again.slot.engine.version != 3 else 2
+    again.versions.store.path(gone).unlink()
     with pytest.raises(RanksFailed, match=rf"the rollout failed on rank 0: VersionStoreError: "
                                           rf"policy version {gone} is needed but its file "
                                           rf".*v0000000{gone}\.safetensors is missing"):
         again.collect(2, [gone] * 8)
     with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
         for v in range(5, 7):
-            stage.remember(v, lambda: engine_weights(stage, v))
-        stage.forget_before(0)
+            stage.versions.remember(v, lambda: engine_weights(stage, v))
+        stage.versions.forget_before(0)
