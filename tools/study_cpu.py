@@ -3,17 +3,21 @@
     python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
     python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
     python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
+    python tools/study_cpu.py analyze docs/study-cpu --docs docs/study-cpu  # and refresh them
 
 `run` trains every setting of the chosen families through `megapkl compare` (arms are exactly their
 presets on configs/study/repeat_next.yaml, plus the family's declared overrides), one run after
 another. A run whose metrics.jsonl already holds its last update is kept, so the study can be run
 in several parts and resumes where it stopped; each run's code version (git commit, and whether
-the tracked tree had local changes) and wall time go to OUT/<setting>/runs.json. `analyze` reads
-each setting's finished runs (recomputing its summary.json, the per-seed values), copies that with
-runs.json to --docs/<setting>.json with the primary curve as <setting>.png (and reads those copies
-when given that folder), and prints the
-declared tests: paired differences and difference-in-differences by seed, paired t
-with Holm's adjustment within each family, and the verdict of each claim.
+the tracked tree had local changes), environment (megapkl.analysis.environment) and wall time go
+to OUT/<setting>/runs.json. `analyze` reads each setting's finished runs (recomputing its
+summary.json, the per-seed values), copies that with runs.json to --docs/<setting>.json with the
+primary curve as <setting>.png. Given that folder instead it analyses the copies alone, without
+training: the statistics derived from the per-seed values (Kaplan-Meier medians) are recomputed
+with this code, and written back with --docs; per-seed values are never changed. It prints the
+declared tests (paired differences and difference-in-differences by seed, paired t with Holm's
+adjustment within each family) and the verdict of each claim, the claims added after the results
+with theirs, the descriptive tests (one Holm family per setting) and the mechanism metrics.
 """
 from __future__ import annotations
 
@@ -28,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megapkl.analysis import compare_stats as st  # noqa: E402
-from megapkl.analysis.compare import (Arm, Criteria, compare, fmt_p, run_local,  # noqa: E402
-                                      _fmt)
+from megapkl.analysis.compare import (LATER, PROXIMAL_METRICS, Arm, Criteria,  # noqa: E402
+                                      compare, fmt_p, run_local, _fmt)
 
 BASE = str(ROOT / "configs" / "study" / "repeat_next.yaml")
 PKL_H4 = str(ROOT / "configs" / "study" / "proximal_kl_h4.yaml")
@@ -66,11 +72,23 @@ class Test:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A claim declared after the study's results were seen: its tests are one Holm family of
+    their own with a verdict by the declared rule, reported as added after the fact."""
+
+    claim: str
+    tests: tuple[Test, ...]
+    why: str                                # why it was added
+
+
+@dataclass(frozen=True)
 class Family:
     claim: str
     settings: tuple[Setting, ...]
     tests: tuple[Test, ...] = ()            # Holm-adjusted together; all > 0 supports the claim
-    described: tuple[Test, ...] = field(default=())  # reported with their own Holm family
+    described: tuple[Test, ...] = field(default=())  # one Holm family per setting, descriptive
+    added: tuple[Claim, ...] = ()           # declared after the results (see Claim)
+    mechanisms: tuple[str, ...] = ()        # the mechanism metrics its report shows
 
 
 def _per(name: str, methods, *over) -> Setting:
@@ -78,6 +96,7 @@ def _per(name: str, methods, *over) -> Setting:
 
 
 PKL_ARMS = ("pg", "grpo", "proximal_kl", PKL_H4)
+PKL_X = ("proximal_kl", "proximal_kl_h4")    # the Proximal KL arms the PKL tests compare
 # TETPO App. B protocol, scaled: a lag drawn from U{1..16} per prompt group, weights against the
 # sampler, mean-centred advantages, one update per batch of 32 x 8
 UNIFORM16 = ("rollout.protocol=uniform_stale", "rollout.max_staleness=16", "rollout.snapshot_pool=32",
@@ -94,10 +113,14 @@ FAMILIES = {
     "pkl": Family("Proximal KL degrades less than GRPO and PG as staleness grows (k 4 -> 16)", (
         _per("pkl_k4", PKL_ARMS, "rollout.max_staleness=4"),
         _per("pkl_k16", PKL_ARMS, "rollout.max_staleness=16")),
-        tests=tuple(Test(a, b, "pkl_k16", "pkl_k4") for a in ("proximal_kl", "proximal_kl_h4")
-                    for b in ("grpo", "pg")),
+        tests=tuple(Test(a, b, "pkl_k16", "pkl_k4") for a in PKL_X for b in ("grpo", "pg")),
         described=tuple(Test(a, b, s) for s in ("pkl_k4", "pkl_k16")
-                        for a in ("proximal_kl", "proximal_kl_h4") for b in ("grpo", "pg"))),
+                        for a in PKL_X for b in ("grpo", "pg")),
+        added=(Claim("Proximal KL scores above GRPO in every matched off-policy setting (k 4, 16)",
+                     tuple(Test(a, "grpo", s) for s in ("pkl_k4", "pkl_k16") for a in PKL_X),
+                     "the paper's level claim, missing from the declared tests"),),
+        mechanisms=("pkl/credit_p10", "pkl/credit_p50", "pkl/credit_p90", "pkl/adv_abs_mean",
+                    "pkl/cost_clip_frac", "clip/frac", "is/log_dev", "kl/prox_k3")),
     "sis": Family("SIS helps token-IS objectives as minibatches per rollout grow (N 1 -> 4)", (
         # same rollout budget (100 batches of 32 x 8): N = 1 is 100 updates, N = 4 is 400;
         # KL to the initial model off in every arm (sis_grpo's preset has 1e-3, the others 0)
@@ -106,24 +129,33 @@ FAMILIES = {
              "objective.kl_init_coef=0.0"),
         _per("sis_n4", SIS_ARMS, "rollout.max_staleness=0", "eval.every=20",
              "objective.kl_init_coef=0.0")),
-        tests=(Test("sis_grpo", "grpo", "sis_n4"), Test("sis_gspo", "gspo", "sis_n4"),
-               Test("sis_grpo", "grpo", "sis_n4", "sis_n1"),
-               Test("sis_gspo", "gspo", "sis_n4", "sis_n1")),
-        described=(Test("sis_grpo", "grpo", "sis_n1"), Test("sis_gspo", "gspo", "sis_n1"))),
+        # SIS - no SIS at N = 4; the N = 1 control is descriptive. Its difference in differences
+        # (N = 4 minus N = 1) is not a test of its own: at N = 1 SIS is the identity (w = 1), so
+        # it repeats the N = 4 test and would only double Holm's m.
+        tests=(Test("sis_grpo", "grpo", "sis_n4"), Test("sis_gspo", "gspo", "sis_n4")),
+        described=(Test("sis_grpo", "grpo", "sis_n1"), Test("sis_gspo", "gspo", "sis_n1")),
+        mechanisms=("sis/accept_rate", "clip/frac", "is/log_dev", "kl/prox_k3")),
     "tetpo": Family("TETPO beats GEPO, M2PO and GRPO under uniform staleness U{1..16}", (
         _per("tetpo_u16", ("tetpo", "gepo", "m2po", "grpo"), *UNIFORM16),),
-        tests=tuple(Test("tetpo", b, "tetpo_u16") for b in ("gepo", "m2po", "grpo"))),
+        tests=tuple(Test("tetpo", b, "tetpo_u16") for b in ("gepo", "m2po", "grpo")),
+        mechanisms=("tetpo/tempered_frac", "tetpo/alpha_mean", "clip/frac", "m2po/mask_frac",
+                    "is/log_dev", "kl/prox_k3")),
 }
 
 
 # ---------------------------------------------------------------- run
 
 def code_version() -> dict:
+    """The commit, whether the tracked tree had local changes, and the environment (package
+    versions, torch build, CPU, threads): per-seed values are reproducible within one."""
+    from megapkl.analysis.environment import environment
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     return {"commit": git("rev-parse", "HEAD"),
-            "local_changes": bool(git("status", "--porcelain", "--untracked-files=no"))}
+            "local_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "environment": environment()}
 
 
 def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
@@ -165,6 +197,19 @@ def label(method: str) -> str:
     return Path(method).stem
 
 
+@functools.lru_cache(maxsize=None)
+def arm_configs(s: Setting) -> dict:
+    """Method label -> its arm's resolved run config in setting `s` (as `run` trains it)."""
+    import tempfile
+
+    from megapkl.analysis.compare import plan_arms
+    from megapkl.config import load_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {a.method: load_config(BASE, a.overrides)
+                for a in plan_arms(BASE, s.methods, [0], s.overrides, Path(tmp))}
+
+
 def values(summaries: dict, setting: str, method: str, key: str = SUMMARY) -> list[float]:
     return summaries[setting]["metrics"][PRIMARY]["methods"][method][key]["values"]
 
@@ -177,6 +222,7 @@ def run_test(summaries: dict, t: Test) -> st.PairedTest:
 
 
 def test_lines(summaries: dict, tests: tuple[Test, ...]) -> tuple[list[str], list[tuple]]:
+    """The table of `tests`, Holm-adjusted as one family, and (test, result, Holm p) of each."""
     done = [(t, run_test(summaries, t)) for t in tests
             if all(s in summaries for s in (t.setting, t.lo) if s)]
     adjusted = st.holm([r.p for _, r in done]) if done else []
@@ -187,6 +233,14 @@ def test_lines(summaries: dict, tests: tuple[Test, ...]) -> tuple[list[str], lis
                      f"{_fmt(r.effect)} | {fmt_p(r.p)} | {fmt_p(p)} | [{_fmt(r.boot_low)}, "
                      f"{_fmt(r.boot_high)}] | {r.n} |")
     return lines, [(t, r, p) for (t, r), p in zip(done, adjusted)]
+
+
+def per_setting(tests: tuple[Test, ...]) -> dict[str, tuple[Test, ...]]:
+    """The descriptive tests grouped by setting: one Holm family each."""
+    out: dict[str, tuple[Test, ...]] = {}
+    for t in tests:
+        out[t.setting] = out.get(t.setting, ()) + (t,)
+    return out
 
 
 def verdict(results: list[tuple], expected: int) -> str:
@@ -216,7 +270,71 @@ def method_table(summaries: dict, setting: str) -> list[str]:
     return lines + [""]
 
 
-def analyze(out: Path, docs: Optional[Path]) -> None:
+def later_minibatches(mean_all: float, minibatches: int) -> float:
+    """A proximal metric's mean over the updates after each batch's first minibatch, from its
+    mean over all updates: the first of every M is 0 by construction (a per-batch reference is
+    the weights the first minibatch trains from), so that mean is M / (M - 1) times the whole."""
+    return mean_all * minibatches / (minibatches - 1)
+
+
+def mechanism_rows(summary: dict, s: Setting, names: tuple[str, ...]) -> list[tuple[str, list]]:
+    """(row label, per-method mean over seeds or None) for each of `names`, and NAME + LATER
+    where the setting recomputes its reference per batch: logged (runs analysed by this code)
+    or derived from the logged mean (`later_minibatches`; label marked *)."""
+    mech, cfgs = summary.get("mechanisms", {}), arm_configs(s)
+    methods = [label(m) for m in s.methods]
+    mean = lambda m, k: float(np.mean(mech[m][k])) if k in mech.get(m, {}) else None  # noqa: E731
+    split = {m: cfgs[m].rollout.minibatches_per_batch for m in methods
+             if cfgs[m].reference.mode == "per_batch" and cfgs[m].rollout.minibatches_per_batch > 1}
+    rows = []
+    for name in names:
+        rows.append((name, [mean(m, name) for m in methods]))
+        if name not in PROXIMAL_METRICS or not split:
+            continue
+        derived, cells = False, []
+        for m in methods:
+            v = mean(m, name + LATER)
+            if v is None and m in split and mean(m, name) is not None:
+                v, derived = later_minibatches(mean(m, name), split[m]), True
+            cells.append(v)
+        rows.append((name + LATER + ("*" if derived else ""), cells))
+    return rows
+
+
+def mechanism_table(summaries: dict, s: Setting, names: tuple[str, ...]) -> list[str]:
+    methods = [label(m) for m in s.methods]
+    lines = [f"Mechanism metrics at {s.name} (mean over each run's updates, mean over seeds; "
+             f"{LATER}: the updates after each batch's first minibatch; * derived from the logged "
+             f"mean as M / (M - 1) times it, M minibatches per batch):", "",
+             "| metric | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    missing = []
+    for name, cells in mechanism_rows(summaries[s.name], s, names):
+        if all(c is None for c in cells):
+            missing.append(name)
+            continue
+        lines.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    if missing:
+        lines += ["", f"Not in these summaries: {', '.join(missing)} (analysed before the study "
+                      f"reported it; `analyze` on the run directories adds it)."]
+    return lines + [""]
+
+
+def refresh_reach(summary: dict, s: Setting) -> dict:
+    """The summary with each method's Kaplan-Meier median recomputed by this code from its
+    per-seed updates-to-threshold (censored at the run length), the per-seed values untouched."""
+    cfgs = arm_configs(s)
+    for block in summary["metrics"].values():
+        for m, table in block["methods"].items():
+            r = table["updates_to_threshold"]
+            lengths = [float(cfgs[m].train.steps)] * len(r["values"])
+            r.update(st.reach_summary(r["values"], lengths))
+    return summary
+
+
+def load_summaries(out: Path, docs: Optional[Path]) -> dict:
+    """setting -> summary: recomputed from OUT's finished runs (copied to `docs` with the run
+    records and the curve), or read from OUT's copies (<setting>.json) with the derived
+    statistics refreshed (rewritten when `docs` is given)."""
     summaries = {}
     for fam in FAMILIES.values():
         for s in fam.settings:
@@ -227,34 +345,49 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
                         analyze_only=True)
             if path.exists():
                 summaries[s.name] = json.loads(path.read_text())
-                if docs is not None:
-                    runs = out / s.name / "runs.json"
-                    docs.mkdir(parents=True, exist_ok=True)
-                    (docs / f"{s.name}.json").write_text(json.dumps(
-                        {"summary": summaries[s.name],
-                         "runs": json.loads(runs.read_text()) if runs.exists() else {}},
-                        indent=1) + "\n")
-                    curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
-                    if curve.exists():
-                        shutil.copyfile(curve, docs / f"{s.name}.png")
+                runs = out / s.name / "runs.json"
+                runs = json.loads(runs.read_text()) if runs.exists() else {}
+                curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
             elif (out / f"{s.name}.json").exists():  # a copy under docs/study-cpu/
-                summaries[s.name] = json.loads((out / f"{s.name}.json").read_text())["summary"]
+                copy = json.loads((out / f"{s.name}.json").read_text())
+                summaries[s.name], runs, curve = refresh_reach(copy["summary"], s), copy["runs"], None
+            else:
+                continue
+            if docs is not None:
+                docs.mkdir(parents=True, exist_ok=True)
+                (docs / f"{s.name}.json").write_text(json.dumps(
+                    {"summary": summaries[s.name], "runs": runs}, indent=1) + "\n")
+                if curve is not None and curve.exists():
+                    shutil.copyfile(curve, docs / f"{s.name}.png")
+    return summaries
+
+
+def analyze(out: Path, docs: Optional[Path]) -> None:
+    summaries = load_summaries(out, docs)
     for key, fam in FAMILIES.items():
         print(f"### {key}: {fam.claim}\n")
-        have = [s.name for s in fam.settings if s.name in summaries]
+        have = [s for s in fam.settings if s.name in summaries]
         if not have:
             print("(not run)\n")
             continue
         for s in have:
-            print("\n".join(method_table(summaries, s)))
+            print("\n".join(method_table(summaries, s.name)))
         if fam.tests:
             lines, results = test_lines(summaries, fam.tests)
             print("Declared tests (one Holm family):\n\n" + "\n".join(lines) + "\n")
             print(f"**Verdict: {verdict(results, len(fam.tests))}.**\n")
-        if fam.described:
-            lines, _ = test_lines(summaries, fam.described)
-            print("Differences per setting (their own Holm family, descriptive):\n\n"
+        for c in fam.added:
+            lines, results = test_lines(summaries, c.tests)
+            print(f"Added after the results were seen ({c.why}): {c.claim} (one Holm family):\n\n"
                   + "\n".join(lines) + "\n")
+            print(f"**Verdict on the added claim: {verdict(results, len(c.tests))}.**\n")
+        for setting, tests in per_setting(fam.described).items():
+            lines, _ = test_lines(summaries, tests)
+            print(f"Descriptive at {setting} (one Holm family of {len(tests)}, not part of the "
+                  f"verdict):\n\n" + "\n".join(lines) + "\n")
+        for s in have:
+            if fam.mechanisms:
+                print("\n".join(mechanism_table(summaries, s, fam.mechanisms)))
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -40,7 +40,14 @@ TRAIN_METRIC = "train/accuracy"
 # What each paper's mechanism does per update, when the objective logs it.
 MECHANISM_METRICS = ("pkl/credit_p10", "pkl/credit_p50", "pkl/credit_p90", "pkl/adv_abs_mean",
                      "pkl/cost_clip_frac", "clip/frac", "sis/accept_rate", "tetpo/tempered_frac",
-                     "m2po/mask_frac", "is/log_dev", "kl/prox_k3")
+                     "tetpo/alpha_mean", "m2po/mask_frac", "is/log_dev", "kl/prox_k3")
+# Functions of the log-ratio to the proximal reference alone. With a per-batch reference the
+# batch's first minibatch trains against its own weights (ratio 1), so these are 0 there by
+# construction and their mean over all updates understates the mechanism; the mean over the
+# later minibatches is reported beside it, as NAME + LATER.
+PROXIMAL_METRICS = ("pkl/credit_p10", "pkl/credit_p50", "pkl/credit_p90", "pkl/cost_clip_frac",
+                    "clip/frac", "kl/prox_k3")
+LATER = "@mb2+"
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class Comparison:
     seeds: list[int]
     criteria: Criteria
     runs: dict[str, dict[int, list[dict]]] = field(default_factory=dict)  # method -> seed -> rows
+    # method -> minibatches per batch when its runs recompute the proximal reference per batch
+    # (update u is then minibatch u % M of its batch, megapkl.train.schedule); absent: no such split
+    per_batch_minibatches: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- arms
@@ -177,7 +187,24 @@ def load_comparison(out: Path, arms: Sequence[Arm], criteria: Criteria) -> Compa
     if criteria.metric is None:
         logged = all(any(EVAL_METRIC in r for r in rows) for m in runs.values() for rows in m.values())
         criteria = dataclasses.replace(criteria, metric=EVAL_METRIC if logged else TRAIN_METRIC)
-    return Comparison(out, methods, seeds, criteria, runs)
+    split = {a.method: per_batch_minibatches(a.run_dir) for a in arms}
+    return Comparison(out, methods, seeds, criteria, runs,
+                      {m: n for m, n in split.items() if n is not None})
+
+
+def per_batch_minibatches(run_dir: Path) -> Optional[int]:
+    """The run's minibatches per batch when it has more than one and recomputes the proximal
+    reference per batch (from its config.yaml), else None."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    cfg = yaml.safe_load(path.read_text()) or {}
+    n = (cfg.get("rollout") or {}).get("minibatches_per_batch", 1)
+    if (cfg.get("reference") or {}).get("mode") != "per_batch" or not isinstance(n, int) or n < 2:
+        return None
+    return n
 
 
 def series(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
@@ -271,13 +298,20 @@ def summarize(cmp: Comparison) -> dict[str, Any]:
 
 
 def mechanism_means(cmp: Comparison) -> dict[str, dict[str, list[float]]]:
-    """method -> mechanism metric -> per-seed mean over the run's updates (logged ones only)."""
+    """method -> mechanism metric -> per-seed mean over the run's updates (logged ones only);
+    NAME + LATER: a proximal metric's mean over the updates after each batch's first minibatch."""
     out: dict[str, dict[str, list[float]]] = {}
     for m in cmp.methods:
+        n = cmp.per_batch_minibatches.get(m)
         for name in MECHANISM_METRICS:
             vals = [series(cmp.runs[m][s], name)[1] for s in sorted(cmp.runs[m])]
             if all(vals):
                 out.setdefault(m, {})[name] = [float(np.mean(v)) for v in vals]
+            if n is not None and name in PROXIMAL_METRICS:  # x = step + 1 of a training row
+                later = [[y for x, y in zip(*series(cmp.runs[m][s], name)) if (int(x) - 1) % n]
+                         for s in sorted(cmp.runs[m])]
+                if all(later):
+                    out.setdefault(m, {})[name + LATER] = [float(np.mean(v)) for v in later]
     return out
 
 
@@ -345,12 +379,15 @@ def report_markdown(cmp: Comparison, summary: dict[str, Any], plots: Sequence[Pa
         if not secondary:
             lines += _reach_and_collapse(block["methods"], metric, c)
     if summary["mechanisms"]:
+        names = [k for base in MECHANISM_METRICS for k in (base, base + LATER)
+                 if any(k in d for d in summary["mechanisms"].values())]
         lines += ["## Mechanism metrics (mean over each run's updates, mean over seeds)", "",
-                  "| method | " + " | ".join(MECHANISM_METRICS) + " |",
-                  "|---" * (len(MECHANISM_METRICS) + 1) + "|"]
+                  f"`{LATER}`: over the updates after each batch's first minibatch, which trains "
+                  "against its own weights under a per-batch reference (the metric is 0 there).", "",
+                  "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for m, d in summary["mechanisms"].items():
             lines.append(f"| {m} | " + " | ".join(_fmt(float(np.mean(d[k]))) if k in d else "-"
-                                                   for k in MECHANISM_METRICS) + " |")
+                                                   for k in names) + " |")
         lines.append("")
     lines += [f"## What {n} seeds resolve", ""]
     lines += [f"- {kind}: {text}" for kind, text in verdicts] or ["- no difference was tested"]

@@ -77,6 +77,15 @@ def test_reach_summary_censors_runs_that_never_reach():
     assert st.reach_summary([None, None], [50, 50]) == {"reached": 0, "n": 2, "median": None}
 
 
+def test_reach_summary_finds_a_median_where_survival_rounds_above_one_half():
+    # TETPO at tetpo_u16: S(140) = 9/10, S(150) = 9/10 * 7/9, S(160) = 9/10 * 7/9 * 5/7 = 1/2,
+    # which scipy's product gives as 0.5000000000000001: the median is 160, not "not reached"
+    reached = [150, None, None, None, 160, None, 160, None, 140, 150]
+    assert st.reach_summary(reached, [200] * 10) == {"reached": 5, "n": 10, "median": 160.0}
+    # a survival truly above 1/2 (4/7 after three of seven runs) is not taken for the median
+    assert st.reach_summary([10, 20, 30, None, None, None, None], [100] * 7)["median"] is None
+
+
 def test_run_curve_summaries_by_hand():
     assert st.ema([1.0, 0.0, 0.0], 0.5).tolist() == [1.0, 0.5, 0.25]
     assert st.first_reaching([0.1, 0.95, 0.2], 0.9) == 1 and st.first_reaching([0.1], 0.9) is None

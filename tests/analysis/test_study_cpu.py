@@ -1,10 +1,12 @@
 """tools/study_cpu.py: the declared study plans and validates as written, and its verdicts follow
 the declared rule from per-seed summaries (paired tests, Holm within the family)."""
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megapkl.analysis import compare_stats as st
@@ -24,9 +26,23 @@ def test_every_declared_setting_validates(tmp_path):
         methods = {s.name: {method_label(m) for m in s.methods} for s in fam.settings}
         for s in fam.settings:
             arms += len(plan_arms(study.BASE, s.methods, [0], s.overrides, tmp_path / s.name))
-        for t in fam.tests + fam.described:  # every test names arms of its settings
+        added = tuple(t for c in fam.added for t in c.tests)
+        for t in fam.tests + fam.described + added:  # every test names arms of its settings
             assert {t.a, t.b} <= methods[t.setting] and (t.lo is None or {t.a, t.b} <= methods[t.lo])
     assert arms == 23  # pilot 3, PKL 8, SIS 8, TETPO 4 per seed
+
+
+def test_test_families_are_as_declared():
+    """SIS: the two N = 4 tests only (the N = 1 difference in differences would repeat them);
+    PKL: descriptive tests one Holm family per setting, the level claim added as its own family."""
+    fam = study.FAMILIES["sis"]
+    assert [(t.setting, t.lo) for t in fam.tests] == [("sis_n4", None)] * 2
+    pkl = study.FAMILIES["pkl"]
+    groups = study.per_setting(pkl.described)
+    assert list(groups) == ["pkl_k4", "pkl_k16"] and all(len(g) == 4 for g in groups.values())
+    (level,) = pkl.added
+    assert {(t.a, t.b, t.setting, t.lo) for t in level.tests} == {
+        (a, "grpo", k, None) for a in ("proximal_kl", "proximal_kl_h4") for k in ("pkl_k4", "pkl_k16")}
 
 
 def _summary(per_method: dict) -> dict:
@@ -73,7 +89,6 @@ def test_difference_in_differences_pairs_settings_by_seed():
 def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
     """`analyze OUT --docs D` copies each setting's per-seed summary (and run record) to D, and
     `analyze D` prints the same tables and tests from those copies alone."""
-    import json
 
     from megapkl.analysis.compare import Comparison, summarize
 
@@ -97,6 +112,62 @@ def test_analysis_reads_back_its_committed_copies(tmp_path, capsys):
     study.analyze(tmp_path / "docs", None)
     assert capsys.readouterr().out == first
     assert "| tetpo - gepo at tetpo_u16 | 0.2 |" in first and "**Verdict: supported" in first
+
+
+def test_descriptive_tests_are_adjusted_within_their_setting(capsys):
+    """Each setting's descriptive tests get Holm's adjustment over that setting's tests alone."""
+    k4 = {"pg": [0.1, 0.2, 0.15, 0.12], "grpo": [0.5, 0.6, 0.55, 0.7],
+          "proximal_kl": [0.3, 0.35, 0.2, 0.4], "proximal_kl_h4": [0.2, 0.3, 0.35, 0.25]}
+    k16 = {m: [x * 0.5 + 0.01 * i for i, x in enumerate(v)] for m, v in k4.items()}
+    summaries = {"pkl_k4": _summary(k4), "pkl_k16": _summary(k16)}
+    for setting, tests in study.per_setting(study.FAMILIES["pkl"].described).items():
+        _, results = study.test_lines(summaries, tests)
+        data = summaries[setting]["metrics"][study.PRIMARY]["methods"]
+        raw = [st.paired_t(data[t.a][study.SUMMARY]["values"], data[t.b][study.SUMMARY]["values"]).p
+               for t in tests]
+        assert [p for _, _, p in results] == pytest.approx(st.holm(raw)), setting
+
+
+def test_later_minibatch_mechanism_metrics(tmp_path):
+    """A proximal metric's mean over the updates after each batch's first minibatch: from the
+    rows when the runs are at hand (per-batch reference, M from the run's config.yaml), and
+    derived as M / (M - 1) times the logged mean from a summary that has only that."""
+    from megapkl.analysis.compare import (LATER, Comparison, mechanism_means,
+                                          per_batch_minibatches)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("rollout: {minibatches_per_batch: 4}\nreference: {mode: per_batch}\n")
+    assert per_batch_minibatches(run) == 4
+    (run / "config.yaml").write_text("rollout: {minibatches_per_batch: 4}\nreference: {mode: behavior}\n")
+    assert per_batch_minibatches(run) is None and per_batch_minibatches(tmp_path / "none") is None
+    clip = [0.0, 0.6, 0.7, 0.8, 0.0, 0.5, 0.4, 0.3]  # the first of every 4 is 0 (ratio 1)
+    cmp = Comparison(tmp_path, ["proximal_kl"], [0], study.CRITERIA,
+                     {"proximal_kl": {0: [{"step": i, "pkl/cost_clip_frac": x, "is/log_dev": x}
+                                          for i, x in enumerate(clip)]}}, {"proximal_kl": 4})
+    got = mechanism_means(cmp)["proximal_kl"]
+    assert got["pkl/cost_clip_frac"] == [pytest.approx(np.mean(clip))]
+    assert got["pkl/cost_clip_frac" + LATER] == [pytest.approx(3.3 / 6)]
+    assert study.later_minibatches(np.mean(clip), 4) == pytest.approx(3.3 / 6)
+    assert "is/log_dev" + LATER not in got  # not a function of the proximal ratio
+    setting = study.FAMILIES["pkl"].settings[0]
+    logged = {"mechanisms": {"proximal_kl": {"pkl/cost_clip_frac": [0.3, 0.45]},
+                             "grpo": {"clip/frac": [0.03], "clip/frac" + LATER: [0.05]}}}
+    rows = dict(study.mechanism_rows(logged, setting, ("pkl/cost_clip_frac", "clip/frac")))
+    assert rows["pkl/cost_clip_frac" + LATER + "*"][2] == pytest.approx(0.5)  # 0.375 * 4 / 3
+    assert rows["clip/frac" + LATER][1] == 0.05  # logged: used as it is, not derived
+
+
+def test_run_records_hold_the_environment(tmp_path):
+    from megapkl.analysis.compare import Arm
+
+    version = study.code_version()
+    study.record(tmp_path / "runs.json", version, Arm("grpo", 3, [], tmp_path), 12.34)
+    rec = json.loads((tmp_path / "runs.json").read_text())["grpo/seed-3"]
+    assert rec["wall_s"] == 12.3 and len(rec["commit"]) == 40
+    env = rec["environment"]
+    assert env["packages"]["torch"] and env["torch"]["version"].startswith(env["packages"]["torch"])
+    assert set(env["packages"]) >= {"numpy", "megatron-core", "transformers", "scipy"}
 
 
 def _cells(line: str) -> list[str]:
@@ -129,19 +200,25 @@ def test_the_reported_numbers_are_recomputed_from_the_committed_summaries(capsys
             elif ln.startswith("| ") and " at " in c[0]:  # effect, t interval, Holm p
                 assert any(c[1] in r and c[2] in r and c[5] in r for r in rows), (key, ln)
                 checked += 1
-        said = part[part.index("**Verdict: ") + 11:].split(":")[0]  # e.g. "not resolved"
-        how_many = re.search(r"(\d+ of \d+)", part[part.index("**Verdict: "):])
-        verdict_line = " ".join(section[section.index("**Verdict on"):][:200].split())
-        assert said in verdict_line and (how_many is None or how_many.group(1) in verdict_line), \
-            (key, said, verdict_line)
-    # method rows 8 + 8 + 4, declared tests 4 + 4 + 3, descriptive 8 + 2 (PKL, SIS, TETPO)
-    assert checked == 41
+            elif ln.startswith("| ") and "/" in c[0]:  # a mechanism metric: the whole row
+                assert c in rows, (key, ln)
+                checked += 1
+        for start, where in (("**Verdict: ", "**Verdict on \""),
+                             ("**Verdict on the added claim: ", "**Verdict on the added claim")):
+            if start not in part:
+                continue
+            said = part[part.index(start) + len(start):].split(":")[0]  # e.g. "not resolved"
+            how_many = re.search(r"(\d+ of \d+)", part[part.index(start):].splitlines()[0])
+            verdict_line = " ".join(section[section.index(where):][:200].split())
+            assert said in verdict_line and (how_many is None or how_many.group(1) in verdict_line), \
+                (key, said, verdict_line)
+    # method rows 8 + 8 + 4, declared tests 4 + 2 + 3, added 4 (PKL), descriptive 8 + 2,
+    # mechanism rows 14 + 14 (PKL), 4 + 6 (SIS), 5 (TETPO)
+    assert checked == 20 + 9 + 4 + 10 + 43
 
 
 def test_the_reported_aggregates_are_recomputed_from_the_committed_summaries():
     """The IQM and probability-of-improvement table of docs/study-cpu.md matches the committed JSON."""
-    import json
-
     text = (ROOT / "docs" / "study-cpu.md").read_text()
     table = text[text.index("### Aggregates"):text.index("## Wall time")]
     rows = [_cells(ln) for ln in table.splitlines() if " at " in ln and ln.startswith("| ")]
