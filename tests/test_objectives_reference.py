@@ -469,3 +469,16 @@ def test_kl_init_without_logp_init_raises():
     d = make_batch(97)
     with pytest.raises(ValueError, match="logp_init"):
         run_library({"name": "grpo", "kl_init_coef": 0.01}, d)
+
+
+def test_the_moving_cost_clip_share_counts_only_tokens_whose_log_ratio_moved():
+    """Half the tokens at the proximal policy (l_t = 0 exactly, as in a minibatch whose reference
+    is the current policy): `pkl/cost_clip_frac_moving` is the share among the others."""
+    d = make_batch(82)
+    d["logp_prox"][::2] = d["logp"][::2]
+    cfg = {"name": "proximal_kl", "cost_clip": 0.05}
+    assert not compare(cfg, d)
+    out, _, _ = run_library(cfg, d)
+    m = out.metrics
+    assert m["pkl/moving_frac"] == pytest.approx(0.5, abs=0.05)
+    assert m["pkl/cost_clip_frac_moving"] == pytest.approx(m["pkl/cost_clip_frac"] / m["pkl/moving_frac"])

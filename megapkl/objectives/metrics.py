@@ -124,7 +124,12 @@ def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) ->
         b.mean("clip/frac", terms.clipped)
     if s.cfg.uses_credit:
         eps = s.cfg.cost_clip
-        b.mean("pkl/cost_clip_frac", s.l.abs() > eps if eps is not None else torch.zeros_like(s.l))
+        clipped = s.l.abs() > eps if eps is not None else torch.zeros_like(s.l, dtype=torch.bool)
+        b.mean("pkl/cost_clip_frac", clipped)
+        # over the tokens whose log-ratio moved: a minibatch whose reference is the current
+        # policy (l = 0 exactly) would dilute the all-token figure
+        b.mean("pkl/cost_clip_frac_moving", clipped, s.l != 0)
+        b.mean("pkl/moving_frac", s.l != 0)
         b.mean("pkl/credit_mean", s.credit)
         b.sample("pkl/credit", s.credit)
         _max(b, "pkl/credit_abs_max", s.credit.abs())
@@ -134,6 +139,7 @@ def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) ->
         b.mean("sis/accept_rate", z)
         b.mean("sis/log_dev", s.seq_sum(torch.where(z, torch.zeros_like(abs_delta), abs_delta)), s.owned)
         b.mean("sis/xi_k", s.sis.xi_k)
+        b.mean("sis/reject_outside_topk", ~s.sis.in_topk, ~z)  # of the rejected tokens
         per_response = s.seq_sum(z.to(s.dtype)) / s.lengths   # accepted fraction of each response
         b.sample("sis/accept_rate", per_response[s.owned])
     if s.cfg.kl_init_coef > 0:

@@ -68,6 +68,7 @@ def uniform_draws(seed: int, step: int, uid: Tensor, positions: Tensor) -> Tenso
 class SISResult:
     accepted: Tensor  # [N] bool, z_t
     xi_k: Tensor      # [N] target mass outside the behavior top-K
+    in_topk: Tensor   # [N] bool, a_t among the behavior top-K ids (rejected whatever u_t if not)
 
 
 def sis_accept(w: Tensor, token_ids: Tensor, topk_ids: Tensor, topk_logp: Tensor,
@@ -79,4 +80,4 @@ def sis_accept(w: Tensor, token_ids: Tensor, topk_ids: Tensor, topk_logp: Tensor
     # Compare in float64: a float32 u rounds values within 2^-25 of 1 up to 1.0.
     accepted = in_topk & (u < accept_prob.to(torch.float64))
     xi_k = 1.0 - torch.exp(topk_logp).sum(dim=-1)
-    return SISResult(accepted=accepted, xi_k=xi_k)
+    return SISResult(accepted=accepted, xi_k=xi_k, in_topk=in_topk)

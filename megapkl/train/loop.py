@@ -40,6 +40,7 @@ from megapkl.train import mismatch
 from megapkl.train.agree import Carried, RanksFailed, agreed
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
+from megapkl.train.mechanism_watch import MechanismWatch
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.rollout.factory import check_engine_hosts, engine_owners
 from megapkl.rollout.sglang.placement import ranks_per_node
@@ -96,6 +97,7 @@ class Trainer:
     def __init__(self, cfg, context: RunContext) -> None:
         self.cfg, self.context, self.timers = cfg, context, Timers()
         self.carried = Carried()  # rank-local failures, agreed at the end of the update
+        self.watch = MechanismWatch()  # a line when the objective's mechanism stops acting
         self.groups = g = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
         self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
         # the one layout value: the engines' placement and every checkpoint's manifest
@@ -297,7 +299,13 @@ class Trainer:
         metrics.update(self.timers.lap())  # what this update's wall time went to
         with self.timers("log"):
             self.carried.run(lambda: self.logger.log(u, metrics), where="the metrics log")
+            self.carried.run(lambda: self._warn(self.watch.note(metrics)), where="the warnings")
         return metrics
+
+    def _warn(self, lines: list[str]) -> None:
+        if self.rank == 0:
+            for line in lines:
+                print(f"[megapkl.train] warning: {line}", file=sys.stderr, flush=True)
 
     def end_update(self, u: int) -> bool:
         """After update u: save when a checkpoint is due or the run stops (a signal or a

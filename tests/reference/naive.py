@@ -606,6 +606,10 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
         ec = cfg["cost_clip"]
         metrics["pkl/cost_clip_frac"] = (0.0 if ec is None else
                                          sum(1 for x in lvec if abs(x) > float(ec)) / N)
+        moving = [x for x in lvec if x != 0]
+        metrics["pkl/moving_frac"] = len(moving) / N
+        metrics["pkl/cost_clip_frac_moving"] = (0.0 if ec is None or not moving else
+                                                sum(1 for x in moving if abs(x) > float(ec)) / len(moving))
         metrics["pkl/credit_mean"] = sum(C) / N
         metrics["pkl/credit_abs_max"] = max(abs(c) for c in C)
         metrics["pkl/adv_abs_mean"] = sum(abs(adv_tok[t]) for t in range(N)) / N
@@ -622,6 +626,10 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
         for t in range(N):
             xi += 1.0 - sum(math.exp(float(v)) for v in tkp[t])
         metrics["sis/xi_k"] = xi / N
+        ids, tks = _list(batch["token_ids"]), _list(batch["topk_ids"])
+        rejected = [t for t in range(N) if not z[t]]
+        outside = [t for t in rejected if int(ids[t]) not in [int(v) for v in tks[t]]]
+        metrics["sis/reject_outside_topk"] = len(outside) / len(rejected) if rejected else 0.0
         metrics.update(naive_quantiles("sis/accept_rate", [sum(z[t] for t in toks) / len(toks) for toks in resp]))
 
     extras = {"z": z, "C": C, "f": f, "T": T, "A": A}
@@ -640,10 +648,12 @@ def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False
         names.add("clip/dual_frac")
     q = ("_p10", "_p50", "_p90")
     if name in CREDIT_OBJECTIVES:
-        names |= {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max", "pkl/adv_abs_mean"}
+        names |= {"pkl/cost_clip_frac", "pkl/cost_clip_frac_moving", "pkl/moving_frac",
+                  "pkl/credit_mean", "pkl/credit_abs_max", "pkl/adv_abs_mean"}
         names |= {"pkl/credit" + s for s in q}
     if cfg["sis"]["enabled"]:
-        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k"} | {"sis/accept_rate" + s for s in q}
+        names |= {"sis/accept_rate", "sis/log_dev", "sis/xi_k", "sis/reject_outside_topk"}
+        names |= {"sis/accept_rate" + s for s in q}
     if name == "tetpo":
         names |= {"tetpo/alpha_mean", "tetpo/alpha_min", "tetpo/tempered_frac",
                   "tetpo/ess_frac_before", "tetpo/ess_frac_after"}

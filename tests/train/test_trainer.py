@@ -18,8 +18,9 @@ COMMON = {"loss", "coef/mean", "coef/abs_max", "is/w_mean", "is/w_max", "is/w_mi
           "kl/prox_k3", "grad_norm", "reward/mean", "train/accuracy", "staleness/mean",
           "staleness/max", "response_len/mean", "tokens_per_s"}
 CLIP = {"clip/frac"}
-PKL = {"pkl/cost_clip_frac", "pkl/credit_mean", "pkl/credit_abs_max"}
-SIS = {"sis/accept_rate", "sis/log_dev", "sis/xi_k"}
+PKL = {"pkl/cost_clip_frac", "pkl/cost_clip_frac_moving", "pkl/moving_frac", "pkl/credit_mean",
+       "pkl/credit_abs_max"}
+SIS = {"sis/accept_rate", "sis/log_dev", "sis/xi_k", "sis/reject_outside_topk"}
 TETPO = {"tetpo/alpha_mean", "tetpo/alpha_min", "tetpo/tempered_frac", "tetpo/ess_frac_before",
          "tetpo/ess_frac_after"}
 
