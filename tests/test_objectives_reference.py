@@ -482,3 +482,23 @@ def test_the_moving_cost_clip_share_counts_only_tokens_whose_log_ratio_moved():
     m = out.metrics
     assert m["pkl/moving_frac"] == pytest.approx(0.5, abs=0.05)
     assert m["pkl/cost_clip_frac_moving"] == pytest.approx(m["pkl/cost_clip_frac"] / m["pkl/moving_frac"])
+
+
+DEVICE_CASES = METRIC_CASES + [("grpo-dual-clip", {"name": "grpo", "clip_ratio_c": 3.0}),
+                               ("proximal_kl-kl-init", {"name": "proximal_kl",
+                                                        "kl_init_coef": 0.01})]
+
+
+@pytest.mark.parametrize("cid,cfg", DEVICE_CASES, ids=[c[0] for c in DEVICE_CASES])
+def test_the_loss_makes_nothing_on_the_default_device(cid, cfg):
+    """On a GPU the batch lives on cuda:0 while a tensor made without `device=` lands on the CPU,
+    and torch refuses to stack, concatenate or compare across the two (the first GPU run died in
+    the metrics' one-transfer stack this way). Here the default device is `meta` while the batch
+    stays on the CPU: any tensor the loss (its statistics, coefficients, metrics, backward) makes
+    without naming its input's device fails the same way."""
+    d = make_batch(82, top_k=3, with_entropy=True, with_init=True)
+    with torch.device("meta"):
+        out, _, leaves = run_library(cfg, d)
+        out.loss.backward()
+    assert out.loss.device.type == "cpu" and leaves["logp"].grad is not None
+    assert out.metrics and all(math.isfinite(v) for v in out.metrics.values()), cid

@@ -8,10 +8,13 @@ other streams: there is nothing meaningful to restore), which `LoadResult.rng_re
 reports.
 
 Two megatron-core 0.16 issues are handled here:
-- Its writer always forks/spawns helper processes (a spawn-context Manager queue and one
-  process per write bucket). Forked test ranks are daemonic and cannot have children, and on a
-  CPU machine the processes only cost time, so without CUDA the write runs in-process
-  (`_in_process_writes`, scoped to the save call).
+- Its writer forks one process per write bucket and collects their results through a queue of a
+  spawned `multiprocessing.Manager` that it caches for the life of the process. Forked test ranks
+  are daemonic and cannot have children; on the first GPU run a trainer's second run in one
+  process (a resume after a finished run) failed its first save with `[Errno 32] Broken pipe`
+  from those helpers; and every such process is one the run does not own. So the buckets are
+  written by threads of this process (file writes release the GIL), scoped to the save call
+  (`_in_process_writes`).
 - With the torch Adam fallback (no apex/TE) the `fully_reshardable` load fails: the inner
   optimizer state is created lazily (so `state_dict()` finds no "step"), and the loader then
   copies every key of the live state, "step" included, from a source that has none. The load
@@ -24,10 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
 import os
 import queue
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -190,31 +193,28 @@ def _load_optimizer(optimizer: Any, loaded: dict, step: Optional[int]) -> None:
 # ------------------------------------------------------------------ in-process writer
 
 
-def _needs_in_process_writes() -> bool:
-    return not torch.cuda.is_available() or bool(multiprocessing.current_process().daemon)
-
-
 @contextlib.contextmanager
 def _in_process_writes() -> Iterator[None]:
-    """Run megatron's checkpoint writer in this process (scoped to the save)."""
+    """Run megatron's checkpoint writer in this process, one thread per write bucket (scoped to
+    the save)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     writer = fa.FileSystemWriterAsync
 
+    def write_one(transform_list, use_msc, i, bucket):
+        # What one of write_preloaded_data_multiproc's processes does.
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        writer.write_preloaded_data(transform_list, i, bucket, local, count, True,
+                                    use_msc=use_msc)
+        return local.get()
+
     def write_all(transform_list, use_msc, rank, write_buckets, results_queue):
-        # What write_preloaded_data_multiproc does, one bucket after another.
-        results = {}
-        for i, bucket in enumerate(write_buckets):
-            local, count = queue.Queue(), queue.Queue()
-            count.put(i)
-            writer.write_preloaded_data(transform_list, i, bucket, local, count, True,
-                                        use_msc=use_msc)
-            idx, result = local.get()
-            if isinstance(result, Exception):
-                results_queue.put(result)
-                return
-            results[idx] = result
-        results_queue.put(results)
+        with ThreadPoolExecutor(max(1, len(write_buckets)), "megapkl-ckpt-write") as pool:
+            done = list(pool.map(lambda ib: write_one(transform_list, use_msc, *ib),
+                                 enumerate(write_buckets)))
+        failed = [r for _, r in done if isinstance(r, Exception)]
+        results_queue.put(failed[0] if failed else dict(done))
 
     saved_queue = fa._get_write_results_queue
     saved_writer = writer.__dict__["write_preloaded_data_multiproc"]
@@ -255,8 +255,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None,
     state["common"] = dict(step=int(step), extra=dict(extra or {}), layout=_layout(g),
                            adam_step=None if optimizer is None else _adam_step(optimizer),
                            scheduler=None if scheduler is None else scheduler.state_dict())
-    writes = _in_process_writes() if _needs_in_process_writes() else contextlib.nullcontext()
-    with writes:
+    with _in_process_writes():
         dist_checkpointing.save(state, str(path))
     torch.distributed.barrier()
 

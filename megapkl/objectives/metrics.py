@@ -61,14 +61,16 @@ def quantile_metrics(name: str, values: Tensor) -> dict[str, float]:
     """{name_p10, name_p50, name_p90} (linear interpolation); {} for no values."""
     if values.numel() == 0:
         return {}
-    q = torch.quantile(values.to(torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
+    q = torch.quantile(values.to(torch.float64),
+                       torch.tensor(QUANTILES, dtype=torch.float64, device=values.device))
     return {f"{name}_p{round(p * 100):02d}": float(x) for p, x in zip(QUANTILES, q.tolist())}
 
 
 class _Builder:
-    """Collects tensors, then converts them to floats in one host transfer."""
+    """Collects tensors on the loss's device, then converts them to floats in one host transfer."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.items: list[tuple[str, str, Tensor]] = []
         self.samples: dict[str, Tensor] = {}
 
@@ -76,13 +78,16 @@ class _Builder:
         self.samples[name] = values.detach().to(torch.float64).reshape(-1)
 
     def add(self, kind: str, name: str, value: Tensor) -> None:
-        self.items.append((kind, name, torch.as_tensor(value).detach().to(torch.float64).reshape(())))
+        # a Python number (an objective's scalar metric) joins the loss's device, where every
+        # other item lives: one stack, one transfer (a GPU refuses a stack across devices)
+        value = torch.as_tensor(value, device=self.device)
+        self.items.append((kind, name, value.detach().to(torch.float64).reshape(())))
 
     def mean(self, name: str, values: Tensor, mask: Tensor | None = None) -> None:
         v = values.to(torch.float64)
         if mask is None:
             self.add("sum", name, v.sum())
-            self.add("count", name, torch.tensor(float(v.numel())))
+            self.add("count", name, torch.tensor(float(v.numel()), device=v.device))
         else:
             self.add("sum", name, v[mask].sum())
             self.add("count", name, mask.sum())
@@ -100,16 +105,16 @@ class _Builder:
 
 
 def _max(b: _Builder, name: str, x: Tensor, default: float = -float("inf")) -> None:
-    b.add("max", name, x.max() if x.numel() else torch.tensor(default))
+    b.add("max", name, x.max() if x.numel() else torch.tensor(default, device=x.device))
 
 
 def _min(b: _Builder, name: str, x: Tensor, default: float = float("inf")) -> None:
-    b.add("min", name, x.min() if x.numel() else torch.tensor(default))
+    b.add("min", name, x.min() if x.numel() else torch.tensor(default, device=x.device))
 
 
 def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) -> MetricParts:
     """Loss, coefficient, IS, proximal-KL, clip, SIS and objective-specific statistics."""
-    b = _Builder()
+    b = _Builder(s.logp.device)
     d = s.logp_prox - s.logp
     abs_delta = s.delta.abs()
     b.add("total", "loss", loss_value)

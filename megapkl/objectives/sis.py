@@ -55,7 +55,8 @@ def mix64_int(x: int) -> int:
 def response_keys(seed: int, step: int, uid: Tensor) -> Tensor:
     """Per-response stream keys: mix(mix(mix(seed) + step) + uid)."""
     base = mix64_int(mix64_int(seed) + step)
-    return mix64(torch.as_tensor(_signed(base), dtype=torch.int64) + uid.to(torch.int64))
+    return mix64(torch.as_tensor(_signed(base), dtype=torch.int64, device=uid.device)
+                 + uid.to(torch.int64))
 
 
 def uniform_draws(seed: int, step: int, uid: Tensor, positions: Tensor) -> Tensor:

@@ -73,7 +73,10 @@ def main(argv=None) -> int:
         if time.perf_counter() - t0 > args.timeout:
             break
         time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGTERM)  # the whole step, as Slurm signals it
+    try:
+        os.killpg(first.pid, signal.SIGTERM)  # the whole step, as Slurm signals it
+    except ProcessLookupError:  # it ended on its own (a failure): its log tail is the detail
+        pass
     try:
         first.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
