@@ -33,7 +33,7 @@ from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _s
                                             parse_generate, parse_sampling, validate_body,
                                             validation_error)
 from megapkl.serve.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
-                                         _Interrupted)
+                                         _Interrupted, write_weight_digest)
 
 log = logging.getLogger("megapkl.serve")
 
@@ -696,6 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-load-delay-s", type=float, default=0.0, help="testing: every "
                    "/update_weights_from_disk blocks the scheduler this long first (a large "
                    "checkpoint)")
+    p.add_argument("--weight-digest-file", help="testing: whenever a weight version is set, "
+                   "write the SHA-256 of every weight, by name, with the version to this JSON file")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -721,6 +723,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              host=args.host, port=args.port, allow_tensor_updates=allow_tensor,
                              no_memory_file=args.no_memory_file)
     state.load_delay_s = args.weight_load_delay_s
+    state.digest_file = args.weight_digest_file
+    if state.digest_file:  # the weights it starts with: a restarted server never shows the
+        # digest its predecessor left
+        write_weight_digest(state.engine.model, state.weight_version, state.digest_file)
     try:
         app.serve_forever()
     except KeyboardInterrupt:

@@ -213,6 +213,7 @@ class ServeState:
         self._step = 0
         self._session = False
         self._groups: dict[str, Any] = {}
+        self.digest_file: Optional[str] = None  # testing: see write_weight_digest
         # Shared-memory tensors of the last session's tensor updates, kept mapped: a client that
         # reuses its segments (megapkl's does) is then read without a page fault per 4 KiB.
         self._mapped: list[Tensor] = []
@@ -438,6 +439,8 @@ class ServeState:
     def set_version(self, version: Optional[str]) -> None:
         if version is not None:
             self.weight_version = str(version)
+            if self.digest_file:
+                write_weight_digest(self.engine.model, self.weight_version, self.digest_file)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -466,3 +469,21 @@ def _dtype(name: Any) -> torch.dtype:
 
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def write_weight_digest(model: torch.nn.Module, version: str, path: str) -> None:
+    """Testing (`megapkl serve --weight-digest-file`): the SHA-256 of every weight the server
+    computes with (float32 bytes, as /get_weights_by_name reads them), by name, with the weight
+    version they were set at, written atomically whenever a version is set. A test outside the
+    server's node (a Slurm job's) compares the servers' weights with the stored version that way,
+    after the job, without reaching the servers."""
+    import hashlib
+    import json
+    import os
+
+    digests = {name: hashlib.sha256(p.detach().float().cpu().contiguous().numpy().tobytes())
+               .hexdigest() for name, p in model.named_parameters(remove_duplicate=False)}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"version": version, "weights": digests}, fh)
+    os.replace(tmp, path)

@@ -13,10 +13,15 @@ launcher (server_command) and sglang-router, in both placements:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +41,7 @@ def _run(run_dir: Path, extra: list[str], what: str) -> list[dict]:
     sub = submit(TINY, TWO_NODES, [
         f"run_dir={run_dir}", f"train.steps={STEPS}", "rollout.engine=sglang",
         f"rollout.sglang.server_command={json.dumps(SERVE)}", "rollout.sglang.startup_timeout_s=240",
-        "rollout.sglang.health_interval_s=1", *extra])
+        "rollout.sglang.health_interval_s=1", *extra])  # a later server_command replaces SERVE
     wait_done(sub.job, 420, what)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -78,20 +83,76 @@ def test_spread_fleets_over_the_nodes_sync_by_broadcast(launch_tmp: Path) -> Non
         assert f"http://mpn1:{30700 + 2 * r}" in router and f"http://mpn2:{30701 + 2 * r}" in router
 
 
+def _kill_when_logged(run_dir: Path, rows: int, log: Path) -> threading.Thread:
+    """SIGKILL the `megapkl serve` worker whose start line is in `log` once metrics.jsonl holds
+    `rows` rows (from outside the job: the nodes' processes are this host's)."""
+    def watch() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if len(read_metrics(run_dir)) >= rows and log.exists() and _starts(log):
+                port = re.search(r"--port (\d+)", _starts(log)[0]).group(1)
+                for pid in _serve_pids(port):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                return
+            time.sleep(0.1)
+    killed: list[int] = []
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.killed = killed  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def _serve_pids(port: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"megapkl.serve.serve" in argv and f"{port}".encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
 def test_a_replica_across_both_nodes_has_a_fleet_on_each(launch_tmp: Path) -> None:
+    """A replica across mpn1 and mpn2 (PP=2, one stage per node) against the leader-only fleet:
+    each node's worker launched on its loopback by that node's rank; node 1's worker SIGKILLed
+    after the first update is restarted and resynced by its fleet; metrics.jsonl equals the
+    leader-only run's; and each worker's weights (SHA-256 of every tensor, written by the worker
+    when a version is set) equal the stored version it was last set to, byte for byte."""
+    from megapkl.rollout.version_store import VersionStore
     from megapkl.train.metrics_log import wall_clock
 
     one_replica = ["parallel.data=1", "parallel.pipeline=2", "rollout.sglang.weight_sync=tensor",
                    "rollout.sglang.base_port=30900"]
+    digests = launch_tmp / "digests"
+    digests.mkdir()
+    serve = [*SERVE, "--weight-digest-file", str(digests / "port{port}.json")]
+    nodes = launch_tmp / "sglang_nodes"
+    killer = _kill_when_logged(nodes, 1, nodes / "sglang" / "node1" / "logs" / "engine0.log")
     rows = {}
-    for name, extra in (("leader", ["rollout.sglang.every_node=false",
-                                    "rollout.sglang.num_engines=1"]),
-                        ("nodes", ["rollout.sglang.num_engines=2"])):
+    for name, extra in (("nodes", ["rollout.sglang.num_engines=2",
+                                   f"rollout.sglang.server_command={json.dumps(serve)}"]),
+                        ("leader", ["rollout.sglang.every_node=false",
+                                    "rollout.sglang.num_engines=1"])):
         got = _run(launch_tmp / f"sglang_{name}", [*one_replica, *extra], f"two-node {name} fleet")
         rows[name] = [{k: v for k, v in r.items() if not wall_clock(k)} for r in got]
-    nodes = launch_tmp / "sglang_nodes" / "sglang"
+    killer.join(timeout=5)
+    assert killer.killed, "node 1's worker was never killed"  # type: ignore[attr-defined]
     for k in (0, 1):  # each node's worker: launched there, on its loopback, by that node's rank
-        (start,) = _starts(nodes / f"node{k}" / "logs" / "engine0.log")
-        assert "srun" not in start and "--host 127.0.0.1" in start, start
+        starts = _starts(nodes / "sglang" / f"node{k}" / "logs" / "engine0.log")
+        assert len(starts) == 1 + k, starts  # node 1's: once more, after the kill
+        assert all("srun" not in s and "--host 127.0.0.1" in s for s in starts), starts
     assert not (launch_tmp / "sglang_leader" / "sglang" / "node0").exists()
+    (ckpt,) = sorted((nodes / "checkpoints").glob("step_*"))[-1:]
+    stored = VersionStore(ckpt / "policy_versions", writer=False)
+    held = [json.loads(p.read_text()) for p in sorted(digests.glob("port*.json"))]
+    assert len(held) == 2, sorted(digests.iterdir())
+    for worker in held:
+        tensors = list(stored.get(int(worker["version"])).stream())
+        assert tensors
+        differ = [n for n, t in tensors if worker["weights"].get(n) !=
+                  hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()]
+        assert not differ, (worker["version"], differ[:5])
     assert rows["nodes"] == rows["leader"]
