@@ -84,6 +84,10 @@ def _totals(traced, skipped, results) -> None:
     print(f"\nsites traced {traced}, skipped {sum(map(len, skipped.values()))}, tried "
           f"{len(results)}, passing {len(passing)}, not reached {len(unreached)}, failing "
           f"{len(failing)}; worst exit {max(exits, default=0):.1f} s after the fault", flush=True)
+    named = sum(r.checkpoint.startswith("named") for r in passing)
+    print(f"passing with a checkpoint written on the way out: {named}; with the newest earlier "
+          f"checkpoint named as intact (a save that failed, or collective work: nothing newer "
+          f"can be saved): {len(passing) - named}", flush=True)
     for r in failing:
         print(f"  FAIL {r.site.target} (rank {r.site.rank}): {r.outcome}; error: {r.error}")
 

@@ -1,6 +1,8 @@
 """The CPU-scale study of docs/study-cpu.md: run it (in parts), then state each claim's verdict.
 
     python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
+    python tools/study_cpu.py run OUT --family clip_pilot --seeds 100-101   # the follow-up's pilot
+    python tools/study_cpu.py run OUT --family clip,sis_full,tetpo_lr --seeds 0-9  # the follow-up
     python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
     python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
     python tools/study_cpu.py analyze docs/study-cpu --docs docs/study-cpu  # and refresh them
@@ -18,6 +20,10 @@ with this code, and written back with --docs; per-seed values are never changed.
 declared tests (paired differences and difference-in-differences by seed, paired t with Holm's
 adjustment within each family) and the verdict of each claim, the claims added after the results
 with theirs, the descriptive tests (one Holm family per setting) and the mechanism metrics.
+
+The follow-up (docs/study-cpu.md, "Follow-up") adds the families clip_pilot, clip, sis_full and
+tetpo_lr: its claims are declared before its runs (`Family.declared`), and it averages metrics
+that `megapkl compare` does not summarise (`Family.diagnostics`) from each run's metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -73,12 +79,16 @@ class Test:
 
 @dataclass(frozen=True)
 class Claim:
-    """A claim declared after the study's results were seen: its tests are one Holm family of
-    their own with a verdict by the declared rule, reported as added after the fact."""
+    """A claim with its own Holm family and a verdict by the declared rule: added after the
+    study's results were seen (`Family.added`, reported as such) or declared before the runs
+    (`Family.declared`, the follow-up). With `per_arm` the family is adjusted as a whole and a
+    verdict is stated for each arm `a` from its own tests (one claim per cost clip, say)."""
 
     claim: str
     tests: tuple[Test, ...]
-    why: str                                # why it was added
+    why: str                                # why it was added, or what it tests
+    per_arm: bool = False
+    two_sided: bool = False                 # no direction claimed: report either way
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,9 @@ class Family:
     described: tuple[Test, ...] = field(default=())  # one Holm family per setting, descriptive
     added: tuple[Claim, ...] = ()           # declared after the results (see Claim)
     mechanisms: tuple[str, ...] = ()        # the mechanism metrics its report shows
+    declared: tuple[Claim, ...] = ()        # the follow-up: declared before its runs
+    diagnostics: tuple[str, ...] = ()       # averaged here from metrics.jsonl (see diagnostic_means)
+    windows: bool = False                   # diagnostics before / after each run's peak (TETPO)
 
 
 def _per(name: str, methods, *over) -> Setting:
@@ -142,6 +155,73 @@ FAMILIES = {
                     "is/log_dev", "kl/prox_k3")),
 }
 
+# ---------------------------------------------------------------- the follow-up (declared 2026-12-04)
+# docs/study-cpu.md, "Follow-up": declared before any of its runs. Its settings reuse the study's
+# base and overrides; only what the follow-up asks about changes.
+
+STUDY = ROOT / "configs" / "study"
+EPS_MID = str(STUDY / "proximal_kl_eps_mid.yaml")    # eps_F from the pilot (see eps_mid_choice)
+EPS_NULL = str(STUDY / "proximal_kl_eps_null.yaml")  # no cost clip
+TETPO_COS = str(STUDY / "tetpo_cosine.yaml")         # the TETPO paper's lr schedule
+CLIP_X = ("proximal_kl", "proximal_kl_eps_mid", "proximal_kl_eps_null")  # eps_F 0.05, mid, none
+# The pilot's grid of eps_F (at k = 16, where eps_F = 0.05 clipped most) and its rule: the
+# smallest value whose runs clip at most CLIP_TARGET of the moving tokens (else the largest).
+PILOT_EPS = (0.1, 0.2, 0.4)
+CLIP_TARGET = 0.10
+MOVING = "pkl/cost_clip_frac_moving"
+# The SIS paper's envelope is a maximum over the whole vocabulary (its eq. 7); its top-K is a cheap
+# stand-in that assumes little mass outside K (Prop. 2). The tiny model's vocabulary is 128, so
+# K = 128 is the exact envelope; the study's K = 10 left 42-50% of on-policy tokens outside it.
+VOCAB = 128
+TETPO_DIAG = ("tetpo/alpha_mean", "tetpo/alpha_min", "tetpo/tempered_frac", "tetpo/ess_frac_before",
+              "tetpo/ess_frac_after", "clip/frac", "grad_norm", "is/log_dev", "is/w_max")
+
+FAMILIES.update({
+    "clip_pilot": Family("the follow-up's pilot: how often each eps_F clips at k = 16 (sizes eps_mid)", tuple(
+        _per(f"clip_pilot_e{round(e * 100):03d}", ("proximal_kl",), "rollout.max_staleness=16",
+             f"objective.cost_clip={e}") for e in PILOT_EPS),
+        diagnostics=(MOVING, "pkl/moving_frac", "grad_norm")),
+    "clip": Family("Proximal KL's cost clip at this scale: eps_F 0.05, eps_mid, none against GRPO and PG", (
+        _per("clip_k4", ("pg", "grpo", "proximal_kl", EPS_MID, EPS_NULL), "rollout.max_staleness=4"),
+        _per("clip_k16", ("pg", "grpo", "proximal_kl", EPS_MID, EPS_NULL), "rollout.max_staleness=16")),
+        described=tuple(Test(a, b, s) for s in ("clip_k4", "clip_k16") for a, b in (
+            *((x, "pg") for x in CLIP_X), ("proximal_kl_eps_mid", "proximal_kl"),
+            ("proximal_kl_eps_null", "proximal_kl"))),
+        declared=(
+            Claim("Proximal KL scores above GRPO in every matched off-policy setting (k 4, 16)",
+                  tuple(Test(a, "grpo", s) for a in CLIP_X for s in ("clip_k4", "clip_k16")),
+                  "the PKL paper's level claim, one verdict per eps_F", per_arm=True),
+            Claim("Proximal KL degrades less than GRPO and PG as staleness grows (k 4 -> 16)",
+                  tuple(Test(a, b, "clip_k16", "clip_k4") for a in CLIP_X for b in ("grpo", "pg")),
+                  "the PKL paper's degradation claim, one verdict per eps_F", per_arm=True)),
+        mechanisms=("pkl/credit_p10", "pkl/credit_p50", "pkl/credit_p90", "pkl/adv_abs_mean",
+                    "pkl/cost_clip_frac", "clip/frac", "is/log_dev", "kl/prox_k3"),
+        diagnostics=(MOVING, "grad_norm")),
+    "sis_full": Family("SIS with its exact envelope (top-K = the whole vocabulary, 128): N 1 -> 4", (
+        # the study's sis_n1 / sis_n4 with K = 128; GRPO only (the budget)
+        _per("sis_full_n1", ("grpo", "sis_grpo"), "rollout.max_staleness=0",
+             "rollout.minibatches_per_batch=1", "parallel.micro_batch_size=128", "train.steps=100",
+             "eval.every=5", "objective.kl_init_coef=0.0", f"objective.sis.top_k={VOCAB}"),
+        _per("sis_full_n4", ("grpo", "sis_grpo"), "rollout.max_staleness=0", "eval.every=20",
+             "objective.kl_init_coef=0.0", f"objective.sis.top_k={VOCAB}")),
+        described=(Test("sis_grpo", "grpo", "sis_full_n1"),),   # the control: 0 by construction
+        declared=(Claim("SIS helps GRPO when minibatches per rollout grow (N = 4), with an envelope "
+                        "that holds the behaviour policy's mass",
+                        (Test("sis_grpo", "grpo", "sis_full_n4"),), "the SIS paper's claim at N = 4"),),
+        mechanisms=("sis/accept_rate", "clip/frac", "is/log_dev", "kl/prox_k3"),
+        diagnostics=("sis/reject_outside_topk", "sis/xi_k", "grad_norm")),
+    "tetpo_lr": Family("TETPO's collapses: the study's constant lr against the paper's cosine schedule", (
+        _per("tetpo_lr_u16", ("tetpo", TETPO_COS), *UNIFORM16),),
+        declared=(Claim("the TETPO paper's cosine schedule changes TETPO's mean eval accuracy "
+                        "(report either way; collapses are read by the declared rule)",
+                        (Test("tetpo_cosine", "tetpo", "tetpo_lr_u16"),),
+                        "no direction claimed: a verdict in either direction is reported",
+                        two_sided=True),),
+        mechanisms=("tetpo/tempered_frac", "tetpo/alpha_mean", "clip/frac", "is/log_dev"),
+        diagnostics=TETPO_DIAG, windows=True),
+})
+FOLLOW_UP = ("clip_pilot", "clip", "sis_full", "tetpo_lr")
+
 
 # ---------------------------------------------------------------- run
 
@@ -167,6 +247,8 @@ def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
 
 
 def run(out: Path, families: list[str], seeds: list[int]) -> None:
+    if "clip" in families:
+        check_eps_mid(out)
     version = code_version()  # the code this block runs (imported once, at its start)
     for fam in families:
         for s in FAMILIES[fam].settings:
@@ -189,6 +271,93 @@ def finished_seeds(where: Path, s: Setting) -> list[int]:
     found = sorted({int(p.name.split("-")[1]) for p in where.glob("*/seed-*")})
     arms = plan_arms(BASE, s.methods, found, s.overrides, where)
     return [seed for seed in found if all(finished(BASE, a) for a in arms if a.seed == seed)]
+
+
+# ---------------------------------------------------------------- the follow-up's own metrics
+
+def _rows(where: Path, method: str, seed: int) -> list[dict]:
+    from megapkl.train.metrics_log import read_metrics
+
+    return read_metrics(where / label(method) / f"seed-{seed}")
+
+
+def _mean(rows: list[dict], name: str) -> Optional[float]:
+    """Mean of `name` over the training rows that log it; MOVING only over the updates in which
+    some token moved (a minibatch trained from the reference's weights logs 0 for it)."""
+    v = [r[name] for r in rows if isinstance(r.get(name), (int, float)) and "step" in r
+         and (name != MOVING or r.get("pkl/moving_frac", 0) > 0)]
+    return float(np.mean(v)) if v else None
+
+
+def diagnostic_means(where: Path, s: Setting, names: tuple[str, ...]) -> dict:
+    """method -> metric -> per-seed mean over the run's updates, for metrics `megapkl compare`
+    does not summarise (a metric a method does not log is left out)."""
+    out: dict = {}
+    for m in s.methods:
+        per = {n: [_mean(_rows(where, m, seed), n) for seed in finished_seeds(where, s)] for n in names}
+        out[label(m)] = {n: v for n, v in per.items() if v and all(x is not None for x in v)}
+    return out
+
+
+def peak_windows(rows: list[dict], names: tuple[str, ...], before: int = 40) -> dict:
+    """Where a run peaks and what the diagnostics did around it: the update at which the eval
+    curve's EMA (alpha 0.2 per update, as CRITERIA) is highest, whether the run collapsed, and
+    each diagnostic's mean over the `before` updates up to the peak ("rise") and after it
+    ("fall")."""
+    from megapkl.analysis.compare import series, smoothing
+
+    xs, ys = series(rows, PRIMARY)
+    smooth = st.ema(ys, smoothing(xs, CRITERIA.ema_alpha))
+    peak = xs[int(np.argmax(smooth))]
+    train = [r for r in rows if "step" in r]  # an evaluation's scalars share its update's row
+    part = {"rise": [r for r in train if peak - before < r["step"] + 1 <= peak],
+            "fall": [r for r in train if r["step"] + 1 > peak]}
+    return {"peak": peak, "collapsed": st.collapsed(smooth, CRITERIA.collapse_drop),
+            **{w: {n: _mean(rs, n) for n in names} for w, rs in part.items()}}
+
+
+def collapse_windows(where: Path, s: Setting, names: tuple[str, ...]) -> dict:
+    """method -> per-seed peak_windows."""
+    return {label(m): [peak_windows(_rows(where, m, seed), names) for seed in finished_seeds(where, s)]
+            for m in s.methods}
+
+
+def pilot_fractions(out: Path) -> dict[float, float]:
+    """eps_F -> the pilot's clipped fraction of moving tokens (mean over its runs), from the run
+    directories under OUT or the copies (<setting>.json) there."""
+    fracs = {}
+    for e, s in zip(PILOT_EPS, FAMILIES["clip_pilot"].settings):
+        if (out / s.name).is_dir() and len(finished_seeds(out / s.name, s)) >= 2:
+            diag = diagnostic_means(out / s.name, s, (MOVING,))
+        elif (out / f"{s.name}.json").exists():
+            diag = json.loads((out / f"{s.name}.json").read_text())["summary"].get("diagnostics", {})
+        else:
+            continue
+        if MOVING in diag.get("proximal_kl", {}):
+            fracs[e] = float(np.mean(diag["proximal_kl"][MOVING]))
+    return fracs
+
+
+def eps_mid_choice(fracs: dict[float, float]) -> Optional[float]:
+    """The declared rule: the smallest eps_F of the grid whose pilot runs clip at most
+    CLIP_TARGET of the moving tokens, else the largest; None until every grid value has runs."""
+    if set(fracs) != set(PILOT_EPS):
+        return None
+    return next((e for e in PILOT_EPS if fracs[e] <= CLIP_TARGET), PILOT_EPS[-1])
+
+
+def check_eps_mid(out: Path) -> None:
+    """The clip family runs only with the eps_F the pilot chose in configs/study/."""
+    fracs = pilot_fractions(out)
+    choice = eps_mid_choice(fracs)
+    have = arm_configs(FAMILIES["clip"].settings[0])["proximal_kl_eps_mid"].objective.cost_clip
+    if choice is None:
+        raise SystemExit(f"[study] the clip family needs the pilot first: run --family clip_pilot "
+                         f"--seeds 100-101 into {out} (have eps_F {sorted(fracs)} of {PILOT_EPS})")
+    if have != choice:
+        raise SystemExit(f"[study] the pilot chose eps_F = {choice} (clipped fraction of moving "
+                         f"tokens {fracs}); set objective.cost_clip: {choice} in {EPS_MID} and "
+                         f"commit it before the clip family runs (it holds {have})")
 
 
 # ---------------------------------------------------------------- analyze
@@ -253,6 +422,66 @@ def verdict(results: list[tuple], expected: int) -> str:
     if any(down):
         return "contradicted: a declared test resolved against the claim"
     return f"not resolved: {sum(up)} of {len(up)} tests resolved in the claimed direction"
+
+
+def claim_verdicts(c: Claim, results: list[tuple]) -> list[str]:
+    """The verdict of a claim (its tests one Holm family): one line, or with `per_arm` one per
+    arm a from the Holm p of its own tests; two-sided claims say which way a test resolved."""
+    def one(res: list[tuple], expected: int) -> str:
+        if not c.two_sided or len(res) < expected:
+            return verdict(res, expected)
+        hit = [(t, r) for t, r, p in res if p <= 0.05]
+        if not hit:
+            return "not resolved: no test resolved in either direction"
+        return "resolved: " + "; ".join(f"{t.a} {'above' if r.diff > 0 else 'below'} {t.b}"
+                                        for t, r in hit)
+
+    if not c.per_arm:
+        return [one(results, len(c.tests))]
+    arms = list(dict.fromkeys(t.a for t in c.tests))
+    return [f"{a}: " + one([x for x in results if x[0].a == a], sum(t.a == a for t in c.tests))
+            for a in arms]
+
+
+def diagnostics_table(summary: dict, s: Setting) -> list[str]:
+    """The follow-up's diagnostics (mean over each run's updates, mean over seeds)."""
+    diag, methods = summary.get("diagnostics", {}), [label(m) for m in s.methods]
+    names = list(dict.fromkeys(n for m in methods for n in diag.get(m, {})))
+    if not names:
+        return []
+    lines = [f"Diagnostics at {s.name} (mean over each run's updates, mean over seeds; "
+             f"{MOVING} over the updates in which tokens moved):", "",
+             "| metric | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for n in names:
+        cells = [float(np.mean(diag[m][n])) if n in diag.get(m, {}) else None for m in methods]
+        lines.append(f"| {n} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines + [""]
+
+
+def windows_table(summary: dict, s: Setting, names: tuple[str, ...]) -> list[str]:
+    """Per method, collapsed runs and the others: each diagnostic's mean over the 40 updates up
+    to the run's peak (rise) and after it (fall), mean over the runs of the group."""
+    win = summary.get("windows", {})
+    if not win:
+        return []
+    lines = [f"Before and after each run's peak at {s.name} (peak: the update where the EMA of "
+             f"{PRIMARY} is highest; rise: the 40 updates up to it, fall: the updates after it):",
+             "", "| method | runs | peak (median) | metric | rise | fall |", "|---|---|---|---|---|---|"]
+    for m, runs in win.items():
+        for collapsed in (True, False):
+            group = [r for r in runs if r["collapsed"] == collapsed]
+            if not group:
+                continue
+            what = f"{'collapsed' if collapsed else 'not collapsed'}, {len(group)} of {len(runs)}"
+            peak = float(np.median([r["peak"] for r in group]))
+            for n in names:
+                cell = {w: [r[w][n] for r in group if r[w].get(n) is not None] for w in ("rise", "fall")}
+                if not cell["rise"] and not cell["fall"]:
+                    continue
+                lines.append(f"| {m} | {what} | {_fmt(peak)} | {n} | "
+                             + " | ".join(_fmt(float(np.mean(v))) if v else "-"
+                                          for v in cell.values()) + " |")
+    return lines + [""]
 
 
 def method_table(summaries: dict, setting: str) -> list[str]:
@@ -345,6 +574,12 @@ def load_summaries(out: Path, docs: Optional[Path]) -> dict:
                         analyze_only=True)
             if path.exists():
                 summaries[s.name] = json.loads(path.read_text())
+                if len(done) >= 2 and fam.diagnostics:  # the follow-up's own means, from the runs
+                    summaries[s.name]["diagnostics"] = diagnostic_means(out / s.name, s,
+                                                                        fam.diagnostics)
+                    if fam.windows:
+                        summaries[s.name]["windows"] = collapse_windows(out / s.name, s,
+                                                                        fam.diagnostics)
                 runs = out / s.name / "runs.json"
                 runs = json.loads(runs.read_text()) if runs.exists() else {}
                 curve = out / s.name / f"curve_{PRIMARY.replace('/', '_')}.png"
@@ -381,6 +616,16 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
             print(f"Added after the results were seen ({c.why}): {c.claim} (one Holm family):\n\n"
                   + "\n".join(lines) + "\n")
             print(f"**Verdict on the added claim: {verdict(results, len(c.tests))}.**\n")
+        for c in fam.declared:  # the follow-up: declared before its runs
+            lines, results = test_lines(summaries, c.tests)
+            print(f"Declared before the runs ({c.why}): {c.claim} (one Holm family of "
+                  f"{len(c.tests)}):\n\n" + "\n".join(lines) + "\n")
+            for v in claim_verdicts(c, results):
+                print(f"**Verdict: {v}.**\n")
+        if key == "clip_pilot":
+            fracs = pilot_fractions(out)
+            print(f"Clipped fraction of moving tokens by eps_F: {fracs}; the declared rule "
+                  f"chooses eps_mid = {eps_mid_choice(fracs)}.\n")
         for setting, tests in per_setting(fam.described).items():
             lines, _ = test_lines(summaries, tests)
             print(f"Descriptive at {setting} (one Holm family of {len(tests)}, not part of the "
@@ -388,6 +633,10 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
         for s in have:
             if fam.mechanisms:
                 print("\n".join(mechanism_table(summaries, s, fam.mechanisms)))
+            extra = (diagnostics_table(summaries[s.name], s)
+                     + windows_table(summaries[s.name], s, fam.diagnostics))
+            if extra:
+                print("\n".join(extra))
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -49,9 +49,13 @@ class Requeued(BaseException):
     """Raised by `LaunchContext.requeue()` after the job was requeued. A BaseException so that a
     trainer's `except Exception` does not swallow it and submitit writes no result."""
 
+    every_rank = True  # every rank requeues alike: no failure notice (train.failure_notice)
+
 
 class RequeueLimitError(MegapklError, RuntimeError):
     """Preempted or timed out more often than the profile's max_requeues allows."""
+
+    every_rank = True  # the same decision on every rank
 
 
 @dataclass

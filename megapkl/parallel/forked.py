@@ -153,9 +153,22 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> List
             _check_alive(procs, got, deadline, timeout)
             continue
         if not ok:
+            _let_leave(procs, LEAVE_S)  # its peers may be leaving on their own (a told failure)
             raise WorkerError(f"rank {rank} of {world_size} failed:\n{payload}")
         got[rank] = pickle.loads(payload)
     return [got[r] for r in range(world_size)]
+
+
+# After a rank failed: how long its peers get to leave on their own (closing what they started)
+# before they are killed. A failure no agreement covers reaches them within seconds
+# (megapkl.train.failure_notice); a peer still waiting then is stuck in a collective.
+LEAVE_S = 15.0
+
+
+def _let_leave(procs: list, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _check_alive(procs: list, got: dict, deadline: float, timeout: float) -> None:
@@ -207,7 +220,9 @@ def _worker_main(fn, rank, world_size, port, results, timeout, threads, install_
         # Plain pickle, not the queue's ForkingPickler: once torch.multiprocessing is imported
         # (megatron does) tensors would travel as shared-memory handles that die with us.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
-        if init_distributed:
+        from megapkl.parallel.groups import out_of_step
+
+        if init_distributed and not out_of_step():  # out of step: the failure notice lingered
             # Rank 0 hosts the TCP store: nobody leaves while a peer may still need it.
             dist.barrier()
             dist.destroy_process_group()

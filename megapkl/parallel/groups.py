@@ -127,6 +127,20 @@ class ParallelGroups:
         return cls.from_collection(ProcessGroupCollection.use_mpu_process_groups())
 
 
+_OUT_OF_STEP = {"set": False}
+
+
+def mark_out_of_step() -> None:
+    """This process's ranks are no longer in step: one failed outside an agreement and the others
+    left the collective they waited in (megapkl.train.failure_notice). No closing collective may
+    be entered now: its partners are gone or inside another one."""
+    _OUT_OF_STEP["set"] = True
+
+
+def out_of_step() -> bool:
+    return _OUT_OF_STEP["set"]
+
+
 def process_device() -> torch.device:
     """The device collectives of this process use: cuda:LOCAL_RANK under NCCL, else the CPU."""
     import os
@@ -209,6 +223,26 @@ def init_parallel(
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return ParallelGroups.from_megatron()
+
+
+def created_groups() -> set:
+    """The process groups that exist now (to tell later which ones a run created)."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def release_groups(existing: set) -> None:
+    """Destroy the process groups made since `existing` (created_groups()): megatron's model
+    parallel state and every group made beside it (a weight-update group left by a failure
+    too), except the default group, which belongs to whoever started torch.distributed."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    default = dist.distributed_c10d._get_default_group()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group not in existing and group is not default:
+            dist.destroy_process_group(group)
 
 
 def _require_cpu_compat() -> None:

@@ -131,8 +131,11 @@ def save(section, parts: dict[str, Any], step: int, layout: dict[str, int]) -> P
         if rank == 0:
             _commit(tmp, final)
             _prune(section)
-    for work in (prepare, lambda: _write(parts, tmp, step, layout), commit):
-        _saved_or_failed(section, step, tmp, _attempt_save(work), final if work is commit else None)
+    _saved_or_failed(section, step, tmp, _attempt_save(prepare), None)
+    state, error = _write_parts(parts, tmp, step, layout)  # collective
+    _saved_or_failed(section, step, tmp, error or _attempt_save(lambda: _write_state(state, tmp)),
+                     None)
+    _saved_or_failed(section, step, tmp, _attempt_save(commit), final)
     return final
 
 
@@ -167,24 +170,38 @@ def _saved_or_failed(section, step: int, tmp: Path, error: Optional[RankError],
         ) from None
 
 
-def _write(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]) -> None:
-    """Every part's files and state (collective), then rank 0's trainer state and manifest: its
-    local writes come last, so a failure there is agreed by the caller, not met in a barrier."""
-    rank = dist.get_rank()
-    for part in parts.values():  # collective
-        if hasattr(part, "save_files"):
-            part.save_files(tmp)
+def _write_parts(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]
+                 ) -> tuple[dict[str, Any], Optional[RankError]]:
+    """Collective: every part's files and state. Not attempted as a whole: a rank raising between
+    its collectives would meet its peers' collectives in the agreement (a failure there is told out
+    of band, megapkl.train.failure_notice). Only megatron's own write failure, which its writer
+    raises on every rank alike, is returned for the agreement."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     state: dict[str, Any] = {"step": step, "layout": layout}
-    for name, part in parts.items():  # collective for some (the loop gathers its batch)
-        if hasattr(part, "state_dict"):
-            state[name] = part.state_dict()
+    try:
+        for part in parts.values():
+            if hasattr(part, "save_files"):
+                part.save_files(tmp)
+        for name, part in parts.items():  # collective for some (the loop gathers its batch)
+            if hasattr(part, "state_dict"):
+                state[name] = part.state_dict()
+    except CheckpointException as exc:
+        return state, RankError.of(exc)
+    return state, None
+
+
+def _write_state(state: dict[str, Any], tmp: Path) -> None:
+    """Local: this rank's files flushed, then rank 0's trainer state and manifest (every rank's
+    data files are megatron's, flushed by their writers); agreed by the caller."""
+    rank = dist.get_rank()
     _fsync_mine(tmp, rank)
-    if rank == 0:  # every rank's data files are megatron's (flushed by their writers above)
+    if rank == 0:
         torch.save(state, tmp / STATE)
         with open(tmp / STATE, "rb") as fh:
             os.fsync(fh.fileno())
-        manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
-                    "layout": layout, "files": _sizes(tmp)}
+        manifest = {"format": FORMAT, "step": state["step"], "world_size": dist.get_world_size(),
+                    "layout": state["layout"], "files": _sizes(tmp)}
         _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
 
 

@@ -44,6 +44,7 @@ from megapkl.train.mechanism_watch import MechanismWatch
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.rollout.factory import check_engine_hosts, engine_owners
 from megapkl.rollout.sglang.placement import ranks_per_node
+from megapkl.parallel.groups import created_groups, release_groups
 from megapkl.train.rollouts import Replica, build_rollout_stage
 from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
@@ -98,7 +99,10 @@ class Trainer:
         self.cfg, self.context, self.timers = cfg, context, Timers()
         self.carried = Carried()  # rank-local failures, agreed at the end of the update
         self.watch = MechanismWatch()  # a line when the objective's mechanism stops acting
+        existing = created_groups()
         self.groups = g = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
+        context.on_exit(lambda: release_groups(existing))  # megatron's groups: the run's own
+        context.watch_failures()  # a rank failing outside an agreement: told to the others
         self.rank, self.run_dir = dist.get_rank(), Path(cfg.run_dir)
         # the one layout value: the engines' placement and every checkpoint's manifest
         self.layout = lay = Layout.of(cfg.parallel, dist.get_world_size(), ranks_per_node())
@@ -386,4 +390,21 @@ def run(cfg, ctx: Any = None) -> dict[str, float]:
     (Slurm preemption and requeue), None for a local run."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with RunContext(ctx) as context:
-        return Trainer(cfg, context).run()
+        trainer = None
+        try:
+            trainer = Trainer(cfg, context)
+            return trainer.run()
+        except BaseException as exc:  # the same line on every rank, before anything is closed
+            told = context.told(exc, *_progress(cfg, trainer))
+            if told is exc:
+                raise
+            raise told from exc
+
+
+def _progress(cfg, trainer: Optional[Trainer]) -> tuple[int, Optional[Path]]:
+    """(the update in progress, the newest complete checkpoint) for a failure's line."""
+    update = trainer.loop.update if trainer is not None else 0
+    try:
+        return update, ckpt.latest(cfg.checkpoint)
+    except Exception:  # noqa: BLE001 - the line goes out without it
+        return update, None

@@ -34,6 +34,7 @@ class RunContext:
         """`launch`: the launcher's context (Slurm: preemption and requeue), None for a local run."""
         self.launch = launch
         self.stack = contextlib.ExitStack()
+        self.notice: Any = None  # megapkl.train.failure_notice.FailureNotice, once started
 
     def __enter__(self) -> "RunContext":
         self.stack.__enter__()
@@ -56,6 +57,20 @@ class RunContext:
     def on_exit(self, fn: Any) -> None:
         """Call `fn()` when the run ends, however it ends (before what was held earlier closes)."""
         self.stack.callback(fn)
+
+    def watch_failures(self) -> None:
+        """Once torch.distributed is up: the watcher of failures outside an agreement
+        (megapkl.train.failure_notice), closed when the run ends."""
+        from megapkl.train.failure_notice import FailureNotice
+
+        self.notice = self.hold(FailureNotice.start())
+
+    def told(self, exc: BaseException, update: int, checkpoint: Any) -> BaseException:
+        """What this rank raises for `exc` (the run's exception): the same line on every rank when
+        a rank failed outside an agreement (see FailureNotice.failed), else `exc`."""
+        if self.notice is None:
+            return exc
+        return self.notice.failed(exc, update, None if checkpoint is None else str(checkpoint))
 
     def lock(self, run_dir: Path) -> None:
         """Collective: rank 0 takes the run directory's lock (a second live run is refused on

@@ -26,10 +26,88 @@ def test_every_declared_setting_validates(tmp_path):
         methods = {s.name: {method_label(m) for m in s.methods} for s in fam.settings}
         for s in fam.settings:
             arms += len(plan_arms(study.BASE, s.methods, [0], s.overrides, tmp_path / s.name))
-        added = tuple(t for c in fam.added for t in c.tests)
+        added = tuple(t for c in fam.added + fam.declared for t in c.tests)
         for t in fam.tests + fam.described + added:  # every test names arms of its settings
             assert {t.a, t.b} <= methods[t.setting] and (t.lo is None or {t.a, t.b} <= methods[t.lo])
-    assert arms == 23  # pilot 3, PKL 8, SIS 8, TETPO 4 per seed
+    # pilot 3, PKL 8, SIS 8, TETPO 4 per seed; the follow-up: its pilot 3, clip 10, SIS 4, TETPO 2
+    assert arms == 23 + 19
+
+
+def test_the_follow_up_runs_what_the_doc_declares():
+    """The follow-up's arms resolve to the declared settings (eps_F 0.05 / eps_mid / none, SIS's
+    envelope over the whole vocabulary, TETPO's cosine schedule), and docs/study-cpu.md's
+    "Follow-up" section names every one of its settings, arms and declared tests."""
+    from megapkl.rollout.synthetic import CharTokenizer
+
+    k4, k16 = study.FAMILIES["clip"].settings
+    clip = {m: c.objective.cost_clip for m, c in study.arm_configs(k4).items()}
+    assert clip == {"pg": 0.05, "grpo": 0.05, "proximal_kl": 0.05, "proximal_kl_eps_null": None,
+                    "proximal_kl_eps_mid": clip["proximal_kl_eps_mid"]}
+    assert clip["proximal_kl_eps_mid"] in study.PILOT_EPS
+    assert [c.rollout.max_staleness for c in study.arm_configs(k16).values()] == [16] * 5
+    for s in study.FAMILIES["clip_pilot"].settings:
+        assert study.arm_configs(s)["proximal_kl"].objective.cost_clip == float(s.name[-3:]) / 100
+    for s in study.FAMILIES["sis_full"].settings:
+        cfg = study.arm_configs(s)
+        assert cfg["sis_grpo"].objective.sis.enabled and not cfg["grpo"].objective.sis.enabled
+        assert cfg["sis_grpo"].objective.sis.top_k == study.VOCAB == CharTokenizer.vocab_size
+        assert cfg["sis_grpo"].objective.kl_init_coef == 0.0 == cfg["grpo"].objective.kl_init_coef
+    (tl,) = study.FAMILIES["tetpo_lr"].settings
+    cfg = study.arm_configs(tl)
+    assert (cfg["tetpo"].train.lr_schedule, cfg["tetpo_cosine"].train.lr_schedule) == ("constant", "cosine")
+    assert cfg["tetpo_cosine"].objective.kappa == cfg["tetpo"].objective.kappa == 0.85
+    assert cfg["tetpo_cosine"].train.warmup_steps == 0.05 * cfg["tetpo"].train.steps
+    text = (ROOT / "docs" / "study-cpu.md").read_text()
+    section = text[text.index("## Follow-up (declared 2026-12-04"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    assert text.index("## What was tried and what was not") < text.index("## Follow-up")
+    for key in study.FOLLOW_UP:
+        fam = study.FAMILIES[key]
+        assert f"`{key}`" in section
+        for s in fam.settings:
+            assert f"`{s.name}`" in section, s.name
+            assert all(f"`{study.label(m)}`" in section for m in s.methods), s.name
+        for c in fam.declared:
+            for t in c.tests:
+                assert t.label() in section, t.label()
+    assert "/work" not in text and "../shared" not in text
+
+
+def test_eps_mid_rule_and_guard(tmp_path):
+    """eps_mid is the smallest grid value that clips at most 10% of moving tokens in the pilot
+    (the largest if none does); the clip family does not start without the pilot's choice."""
+    assert study.eps_mid_choice({0.1: 0.3, 0.2: 0.08, 0.4: 0.01}) == 0.2
+    assert study.eps_mid_choice({0.1: 0.1, 0.2: 0.08, 0.4: 0.01}) == 0.1
+    assert study.eps_mid_choice({0.1: 0.5, 0.2: 0.3, 0.4: 0.2}) == 0.4
+    assert study.eps_mid_choice({0.1: 0.05}) is None
+    with pytest.raises(SystemExit, match="needs the pilot first"):
+        study.check_eps_mid(tmp_path)
+    have = study.arm_configs(study.FAMILIES["clip"].settings[0])["proximal_kl_eps_mid"].objective.cost_clip
+    other = next(e for e in study.PILOT_EPS if e != have)
+    fracs = {e: (0.05 if e >= other else 0.5) for e in study.PILOT_EPS}  # the rule picks `other`
+    for e, s in zip(study.PILOT_EPS, study.FAMILIES["clip_pilot"].settings):
+        (tmp_path / f"{s.name}.json").write_text(json.dumps(
+            {"summary": {"diagnostics": {"proximal_kl": {study.MOVING: [fracs[e]] * 2}}}, "runs": {}}))
+    assert study.pilot_fractions(tmp_path) == fracs
+    with pytest.raises(SystemExit, match=f"the pilot chose eps_F = {other}"):
+        study.check_eps_mid(tmp_path)
+
+
+def test_peak_windows_and_moving_means():
+    """A run's peak is where its eval EMA is highest; the diagnostics are averaged over the 40
+    updates up to it and over the updates after it; the clipped fraction of moving tokens only
+    over updates in which tokens moved."""
+    rows = []
+    for step in range(100):
+        r = {"step": step, "grad_norm": 1.0 if step < 50 else 3.0,
+             study.MOVING: 0.0 if step % 4 == 0 else 0.6, "pkl/moving_frac": 0.0 if step % 4 == 0 else 1.0}
+        if (step + 1) % 10 == 0:  # an evaluation shares its update's row
+            r.update({study.PRIMARY: 0.9 if step + 1 == 50 else 0.1, "eval/version": step + 1})
+        rows.append(r)
+    assert study._mean(rows, study.MOVING) == pytest.approx(0.6)
+    w = study.peak_windows(rows, ("grad_norm",))
+    assert w["peak"] == 50 and w["collapsed"]
+    assert w["rise"]["grad_norm"] == 1.0 and w["fall"]["grad_norm"] == 3.0
 
 
 def test_test_families_are_as_declared():

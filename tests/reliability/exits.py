@@ -6,6 +6,9 @@
 After `megapkl.train.loop.run` returns or raises, the rank records (in `marks/rank<r>.json`):
 - `children`: its child processes still alive (the reward worker, launched SGLang servers, W&B's
   service): none may be left;
+- `threads`: its megapkl threads still alive (the generation thread, the failure watcher, ...):
+  none may be left; `groups`: process groups besides the default one (the harness's) still
+  registered (megatron's, a weight-update group): none may be left;
 - `lock_free`: the run directory's lock can be taken (rank 0, its holder, released it);
 - `tb_steps`: the steps TensorBoard's event files hold (flushed and closed: every logged row);
 - `saves`: the checkpoint steps this rank wrote, in order (a step twice is a double save);
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -101,11 +105,23 @@ def checked_run(rank: int, world: int, cfg: Any, marks: Path,  # noqa: ARG001 - 
             lock_free = False
         tb = tensorboard_steps(run_dir) if rank == 0 and cfg.logging.tensorboard else None
         saves = marks / f"saves_rank{rank}"
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("megapkl")]
+        groups = _groups_left()
         facts = {"exit": left, "children": live_children(os.getpid()), "lock_free": lock_free,
+                 "threads": threads, "groups": groups,
                  "tb_steps": tb, "error": None if error is None else
                  f"{type(error).__name__}: {' '.join(str(error).split())}",
                  "saves": [int(s) for s in saves.read_text().split()] if saves.exists() else []}
         (marks / f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _groups_left() -> int:
+    """Process groups besides the default one (the harness's) still registered."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    return len(dist.distributed_c10d._world.pg_map) - 1
 
 
 def read_facts(marks: Path) -> dict[int, dict]:
@@ -119,6 +135,8 @@ def assert_closed(facts: dict[int, dict], run_dir: Path, rows: int) -> None:
         left = [c for c in f["children"] if Path(c.split()[1]).name != TORCH_SHM_MANAGER]
         assert left == [], f"rank {rank} left processes behind: {left}"
         assert len(f["saves"]) == len(set(f["saves"])), f"rank {rank} saved twice: {f['saves']}"
+        assert f["threads"] == [], f"rank {rank} left megapkl threads running: {f['threads']}"
+        assert f["groups"] == 0, f"rank {rank} left {f['groups']} process groups besides the default"
     assert facts[0]["lock_free"], "rank 0 (the lock's holder) left the run directory locked"
     tb = facts[0]["tb_steps"]
     if tb is not None:
