@@ -24,9 +24,11 @@ line naming the failing rank and the error, the finished updates in a checkpoint
 process or megapkl thread left, the run directory's lock free. A site whose fault never fired
 (another path ran this time) is 'not reached'.
 
-The ranks' process groups wait at most FAULT_TIMEOUT_S in a collective after the first update
+A fault inside collective work (the training step, a weight export) is told out of band
+(megapkl.train.failure_notice): the line then names the newest checkpoint as intact ('kept'). The
+ranks' process groups wait at most FAULT_TIMEOUT_S in a collective after the first update
 (loop.STEP_TIMEOUT_MIN_S, 120 s in a real run, is lowered in the forked ranks), so a fault that
-no agreement covers costs that long, not two minutes; such an exit fails the 30 s bound anyway.
+nothing tells costs that long, not two minutes; such an exit fails the 30 s bound anyway.
 """
 from __future__ import annotations
 
