@@ -179,6 +179,9 @@ def _shared_empty(shape: list[int], dtype: torch.dtype) -> Tensor:
     (torch's 'file_system' sharing, what SGLang's tensor API reads)."""
     import torch.multiprocessing as tmp
 
+    from megapkl.rollout.shm import ensure_manager
+
+    ensure_manager()  # the first segment may be this one: its manager must outlive job signals
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")

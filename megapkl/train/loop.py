@@ -399,6 +399,8 @@ def run(cfg, ctx: Any = None) -> dict[str, float]:
             if told is exc:
                 raise
             raise told from exc
+        finally:  # this rank's run is over: nothing more to tell or hear (the store's host may
+            context.stop_watching()  # leave before this rank has closed everything)
 
 
 def _progress(cfg, trainer: Optional[Trainer]) -> tuple[int, Optional[Path]]:

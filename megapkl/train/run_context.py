@@ -65,6 +65,11 @@ class RunContext:
 
         self.notice = self.hold(FailureNotice.start())
 
+    def stop_watching(self) -> None:
+        """The run is over on this rank: the failure watcher stops (also closed with the run)."""
+        if self.notice is not None:
+            self.notice.close()
+
     def told(self, exc: BaseException, update: int, checkpoint: Any) -> BaseException:
         """What this rank raises for `exc` (the run's exception): the same line on every rank when
         a rank failed outside an agreement (see FailureNotice.failed), else `exc`."""

@@ -282,10 +282,16 @@ def test_the_update_group_is_never_split_from_a_bound_default_group():
 
 
 SIGNALED_MANAGER = r"""
-import gc, os, signal, subprocess, time
+import gc, os, signal, subprocess, sys, tempfile, time
 import torch
 from megapkl.rollout.sglang.weights import serialize_named_tensors
-_, alive = serialize_named_tensors([("w", torch.randn(1000))])
+from megapkl.rollout.version_store import VersionStore
+if sys.argv[1] == "stored":  # the first shared segment: a stored version streamed into it
+    store = VersionStore(tempfile.mkdtemp())
+    store.save(1, [("w", torch.randn(1000))])
+    alive = [t for _, t in store.get(1).stream(shared=True)]
+else:
+    _, alive = serialize_named_tensors([("w", torch.randn(1000))])
 managers = subprocess.run(["pgrep", "-f", "torch_shm_manager", "-P", str(os.getpid())],
                           capture_output=True, text=True).stdout.split()
 assert managers, "no shared-memory manager was started"
@@ -300,11 +306,13 @@ print("alive")
 """
 
 
-def test_a_job_signal_to_torchs_shared_memory_manager_does_not_abort_the_trainer():
+@pytest.mark.parametrize("first", ["serialized", "stored"])
+def test_a_job_signal_to_torchs_shared_memory_manager_does_not_abort_the_trainer(first):
     """The tensor sync's shared memory is tracked by torch's `torch_shm_manager`, a child of
     the trainer that a preemption's SIGTERM reaches too. If it dies, the next freed segment aborts
     the trainer (`std::system_error: Broken pipe`, exit 134) before its preemption checkpoint;
-    started deaf to job signals (megapkl/rollout/shm.py), it outlives them."""
-    out = subprocess.run([sys.executable, "-c", SIGNALED_MANAGER], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    started deaf to job signals (megapkl/rollout/shm.py), it outlives them, whichever shared
+    segment comes first (a weight payload, or a stored version read for a per-node push)."""
+    out = subprocess.run([sys.executable, "-c", SIGNALED_MANAGER, first], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and "alive" in out.stdout, (out.returncode, out.stderr[-2000:])
