@@ -9,7 +9,8 @@ After `megapkl.train.loop.run` returns or raises, the rank records (in `marks/ra
 - `threads`: its megapkl threads still alive (the generation thread, the failure watcher, ...):
   none may be left; `groups`: process groups besides the default one (the harness's) still
   registered (megatron's, a weight-update group): none may be left;
-- `lock_free`: the run directory's lock can be taken (rank 0, its holder, released it);
+- `lock_free` (rank 0, its holder; None elsewhere, so that two ranks' checks never meet): the
+  run directory's lock can be taken (rank 0 released it);
 - `tb_steps`: the steps TensorBoard's event files hold (flushed and closed: every logged row);
 - `saves`: the checkpoint steps this rank wrote, in order (a step twice is a double save);
 - `exit`: the wall time it left `run`, and `error`: what it raised (type: one line), if anything.
@@ -83,7 +84,6 @@ def checked_run(rank: int, world: int, cfg: Any, marks: Path,  # noqa: ARG001 - 
     run raises is recorded (`error`), not raised: the test harness kills the other ranks as soon
     as one raises, before they could record their own exit."""
     from megapkl.train.loop import run
-    from megapkl.train.runlock import RunLock, RunLockError
 
     marks.mkdir(parents=True, exist_ok=True)
     count_saves(marks)
@@ -98,11 +98,7 @@ def checked_run(rank: int, world: int, cfg: Any, marks: Path,  # noqa: ARG001 - 
     finally:
         left = time.time()
         run_dir = Path(cfg.run_dir)
-        try:
-            RunLock(run_dir).check_free()
-            lock_free = True
-        except RunLockError:
-            lock_free = False
+        lock_free = _lock_free(run_dir) if rank == 0 else None  # rank 0 held it
         tb = tensorboard_steps(run_dir) if rank == 0 and cfg.logging.tensorboard else None
         saves = marks / f"saves_rank{rank}"
         threads = [t.name for t in threading.enumerate() if t.name.startswith("megapkl")]
@@ -113,6 +109,20 @@ def checked_run(rank: int, world: int, cfg: Any, marks: Path,  # noqa: ARG001 - 
                  f"{type(error).__name__}: {' '.join(str(error).split())}",
                  "saves": [int(s) for s in saves.read_text().split()] if saves.exists() else []}
         (marks / f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _lock_free(run_dir: Path) -> bool:
+    """Can the run directory's lock be taken? Asked a few times: a check takes the lock for an
+    instant itself, and another process's check (a test's) may be that instant."""
+    from megapkl.train.runlock import RunLock, RunLockError
+
+    for _ in range(5):
+        try:
+            RunLock(run_dir).check_free()
+            return True
+        except RunLockError:
+            time.sleep(0.1)
+    return False
 
 
 def _groups_left() -> int:
