@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megapkl.config.layout import Layout
 from megapkl.errors import MegapklError
@@ -176,8 +177,6 @@ def _write_parts(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, 
     its collectives would meet its peers' collectives in the agreement (a failure there is told out
     of band, megapkl.train.failure_notice). Only megatron's own write failure, which its writer
     raises on every rank alike, is returned for the agreement."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     state: dict[str, Any] = {"step": step, "layout": layout}
     try:
         for part in parts.values():
@@ -205,14 +204,8 @@ def _write_state(state: dict[str, Any], tmp: Path) -> None:
         _write_synced(tmp / MARKER, json.dumps(manifest, indent=1))
 
 
-def _save_errors() -> tuple:
-    # torch.distributed.checkpoint reports writer failures as CheckpointException, a BaseException.
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-_SAVE_ERRORS = _save_errors()
+# torch.distributed.checkpoint reports writer failures as CheckpointException, a BaseException.
+_SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def _last_line(text: str) -> str:

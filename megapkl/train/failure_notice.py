@@ -37,7 +37,6 @@ POLL_S = 0.25     # the watcher's period: a peer knows within this of the record
 LINGER_S = 3.0    # the failing rank waits at most this for the others to have read the record
 
 
-
 class FailedOutsideAgreement(MegapklError):
     """Raised on every rank, with the same line, when one rank failed outside an agreement."""
 
@@ -80,7 +79,7 @@ class FailureNotice:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         store = dist.distributed_c10d._get_default_store()
-        nccl = dist.get_backend() == "nccl" or "nccl" in str(dist.get_backend())
+        nccl = "nccl" in str(dist.get_backend())  # also "cpu:gloo,cuda:nccl"
         return cls(store, dist.get_rank(), dist.get_world_size(), abort=nccl)
 
     def close(self) -> None:
@@ -92,11 +91,11 @@ class FailureNotice:
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
-                if not self.store.check([KEY]):
-                    continue
-                record = json.loads(self.store.get(KEY))
+                record = self._read()
             except Exception:  # noqa: BLE001 - the store's host left: nothing more to learn
                 return
+            if record is None:
+                continue
             if record["rank"] == self.rank:
                 return
             self.record = record
@@ -142,15 +141,18 @@ class FailureNotice:
             if self.record is not None:
                 return self.record
             try:
-                if self.store.check([KEY]):
-                    record = json.loads(self.store.get(KEY))
-                    if record["rank"] != self.rank:
-                        return record
+                record = self._read()
             except Exception:  # noqa: BLE001 - the store's host left
                 return None
+            if record is not None and record["rank"] != self.rank:
+                return record
             if time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_S / 2)
+
+    def _read(self) -> Optional[dict]:
+        """The published record (any rank's), or None while there is none."""
+        return json.loads(self.store.get(KEY)) if self.store.check([KEY]) else None
 
     def _linger(self) -> None:
         """Until every other rank's watcher has read the record (or LINGER_S): this process may

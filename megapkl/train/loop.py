@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megapkl import runlog
 from megapkl.config.layout import Layout
 from megapkl.config.loader import dump_config
+from megapkl.parallel.groups import created_groups, release_groups
 from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
@@ -44,7 +45,6 @@ from megapkl.train.mechanism_watch import MechanismWatch
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.rollout.factory import check_engine_hosts, engine_owners
 from megapkl.rollout.sglang.placement import ranks_per_node
-from megapkl.parallel.groups import created_groups, release_groups
 from megapkl.train.rollouts import Replica, build_rollout_stage
 from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
