@@ -2,7 +2,7 @@
 # Plain sbatch template for megapkl, for users who do not use submitit (`megapkl submit` does all of
 # this from a cluster profile). Copy it, edit the #SBATCH lines for your partition, then:
 #
-#   sbatch --export=ALL,CONFIG=configs/experiments/pkl_qwen3_8b.yaml slurm/sbatch_template.sh
+#   sbatch --export=ALL,CONFIG=configs/experiments/pkl_periodic/qwen3_8b_pkl.yaml slurm/sbatch_template.sh
 #   sbatch --export=ALL,CONFIG=my.yaml slurm/sbatch_template.sh objective.beta=0.3 seed=2
 #
 # Arguments after the script are run-config overrides. #SBATCH values can also be overridden on
