@@ -4,8 +4,8 @@ Each version is written once, as one safetensors file of (Hugging Face name, ten
 block-FP8 quantized when rollouts are FP8 -- under `<run_dir>/policy_versions/v<version>.safetensors`,
 and deleted as soon as the schedule no longer needs it. Engines load a version by streaming its file
 (one tensor at a time) into `update_weights`: `get(version)` is a reference to the file, never
-a copy of its tensors (SGLang servers load the file itself under the disk sync, or read it
-streamed into shared memory under the tensor sync). A checkpoint references the files
+a copy of its tensors (SGLang servers load the file itself under the disk sync; the tensor sync
+reads it bucket by bucket straight into its shared memory). A checkpoint references the files
 by hard-linking them into its own directory (no bytes copied on one filesystem; a copy, with a
 warning, across filesystems), so deleting a version from the run directory never breaks a
 checkpoint that needs it, and pruning the checkpoint frees it. Nothing here depends on ranks: one
@@ -131,12 +131,18 @@ class StoredVersion:
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         return self.stream()
 
-    def stream(self, shared: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def stream(self) -> Iterator[tuple[str, Tensor]]:
         """(name, tensor) in file order. A missing or corrupt file raises VersionStoreError
         naming it (before the first tensor for a bad header). Tensors are read with plain reads,
         not a memory map: a mapped file's pages would count as this process's memory until the
-        map is closed (one more model copy at the peak). `shared`: each tensor is read straight
-        into shared memory (what the tensor weight sync hands to a server), with no copy between."""
+        map is closed (one more model copy at the peak)."""
+        return _stream(self.open())
+
+    def open(self) -> "VersionReader":
+        """The file, open, with its checked header: tensors are then read by index into buffers
+        the caller lays out (the tensor weight sync reads each bucket straight into its shared
+        memory). VersionStoreError naming the file when it is missing, corrupt or of another
+        version."""
         path, version = self.path, self.version
         if not path.is_file():
             raise VersionStoreError(f"policy version {version}: its file {path} is missing")
@@ -151,7 +157,7 @@ class StoredVersion:
             f.close()
             raise VersionStoreError(f"policy version {version}: {path} holds version "
                                     f"{meta.get('version')!r}")
-        return _stream(f, entries, path, version, shared)
+        return VersionReader(f, entries, path, version)
 
     def pin(self, directory: Union[str, os.PathLike], name: str = "model.safetensors"
             ) -> "StoredVersion":
@@ -162,34 +168,43 @@ class StoredVersion:
         return StoredVersion(self.version, out / name)
 
 
-def _stream(f, entries, path: Path, version: int, shared: bool) -> Iterator[tuple[str, Tensor]]:
-    with f:
-        for name, dtype, shape, start, size in entries:
-            t = _shared_empty(shape, dtype) if shared else torch.empty(shape, dtype=dtype)
-            f.seek(start)
-            got = f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) if size else 0
-            if got != size:
-                raise VersionStoreError(f"policy version {version}: {path} is corrupt at "
-                                        f"tensor '{name}' ({got} of {size} bytes)")
-            yield name, t
+class VersionReader:
+    """An open version file: `layout` lists (name, dtype, shape) in file order, `read_into(i, out)`
+    fills `out` (a contiguous tensor of that dtype and shape, anywhere in memory) with tensor i.
+    A context manager; closing it closes the file."""
+
+    def __init__(self, f, entries, path: Path, version: int) -> None:
+        self._f, self._entries, self.path, self.version = f, entries, path, version
+        self.layout = [(name, dtype, shape) for name, dtype, shape, _, _ in entries]
+
+    def read_into(self, i: int, out: Tensor) -> Tensor:
+        name, dtype, shape, start, size = self._entries[i]
+        if out.dtype != dtype or list(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"tensor '{name}' is {dtype} {shape}; got a buffer of {out.dtype} "
+                             f"{list(out.shape)}")
+        got = 0
+        if size:
+            self._f.seek(start)
+            got = self._f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        if got != size:
+            raise VersionStoreError(f"policy version {self.version}: {self.path} is corrupt at "
+                                    f"tensor '{name}' ({got} of {size} bytes)")
+        return out
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "VersionReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _shared_empty(shape: list[int], dtype: torch.dtype) -> Tensor:
-    """An uninitialized tensor in shared memory that travels between processes by file name
-    (torch's 'file_system' sharing, what SGLang's tensor API reads)."""
-    import torch.multiprocessing as tmp
-
-    from megapkl.rollout.shm import ensure_manager
-
-    ensure_manager()  # the first segment may be this one: its manager must outlive job signals
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    previous = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy("file_system")
-    try:
-        storage = torch.UntypedStorage._new_shared(nbytes)
-    finally:
-        tmp.set_sharing_strategy(previous)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+def _stream(reader: VersionReader) -> Iterator[tuple[str, Tensor]]:
+    with reader:
+        for i, (name, dtype, shape) in enumerate(reader.layout):
+            yield name, reader.read_into(i, torch.empty(shape, dtype=dtype))
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",

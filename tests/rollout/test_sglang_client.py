@@ -148,30 +148,87 @@ def _shm_name(t):
     return t.untyped_storage()._share_filename_cpu_()[1].decode()
 
 
-def test_tensor_sync_keeps_no_shared_memory_and_sends_shared_tensors_uncopied():
-    """What is already in shared memory (a stored version streamed there) travels as it is; a
-    copy is made otherwise; either way the shared memory is gone once the last holder lets go."""
+def _in_shm(name):
+    import os
+
+    return os.path.exists("/dev/shm/" + name.lstrip("/"))
+
+
+def test_a_payload_lays_its_tensors_out_in_one_segment_freed_with_its_last_holder():
+    import gc
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)),
+             ("c", torch.randn(2, 3).t())]  # not contiguous: copied into place all the same
+    payload, alive = serialize_named_tensors(named)
+    names = {_shm_name(t) for t in alive}
+    assert len(names) == 1 and all(t.is_shared() and t.is_contiguous() for t in alive)
+    assert all(t.storage_offset() * t.element_size() % 64 == 0 for t in alive)  # aligned
+    back = pickle.loads(base64.b64decode(payload))  # what a server does with a payload
+    assert [n for n, _ in back] == ["a", "b", "c"]
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(named, back))
+    del alive, back
+    gc.collect()
+    assert not any(_in_shm(n) for n in names)
+
+
+def _stored(tmp, tensors):
+    from megapkl.rollout.version_store import VersionStore
+
+    store = VersionStore(Path(tmp))
+    store.save(1, tensors)
+    return store.get(1)
+
+
+def test_the_tensor_sync_reads_a_stored_version_into_two_kept_segments(tmp_path):
+    """Bucket k is read from the version's file straight into slot k % 2; the next push reuses
+    both segments (same names, no fresh pages); a segment whose name left /dev/shm (a server's
+    manager unlinks what it opened when it dies) is replaced; the sync's end frees them."""
     import gc
     import os
 
-    from megapkl.rollout.version_store import VersionStore
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
 
-    store = VersionStore(Path(tempfile.mkdtemp()))
-    store.save(1, [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16))])
-    streamed = list(store.get(1).stream(shared=True))
-    assert all(t.is_shared() for _, t in streamed)
-    payload, alive = serialize_named_tensors(streamed)
-    assert [_shm_name(t) for t in alive] == [_shm_name(t) for _, t in streamed]  # not copied
-    plain = [("c", torch.randn(2))]
-    copied, copies = serialize_named_tensors(plain)
-    assert copies[0].is_shared() and not plain[0][1].is_shared()
-    names = [_shm_name(t) for t in alive + copies]
-    back = pickle.loads(base64.b64decode(payload))  # what a server does with a payload
-    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(streamed, back))
-    assert torch.equal(pickle.loads(base64.b64decode(copied))[0][1], plain[0][1])
-    del streamed, alive, copies, back
+    g = torch.Generator().manual_seed(0)
+    tensors = [(f"w{i}", torch.randn(40, 8, generator=g).to(torch.bfloat16)) for i in range(5)]
+    tensors.append(("odd", torch.randn(3, generator=g)))  # 12 bytes: the next one stays aligned
+    source = _stored(tmp_path, tensors)
+    sync = WeightSync(SyncSettings(mode="tensor", bucket_bytes=2 * 40 * 8 * 2))
+
+    def one_push():
+        got, slots = [], []
+        for bucket in sync._tensor_buckets(source, sync._buffers):  # checked before it is reused
+            got += [(n, t.clone()) for n, t in bucket]
+            slots.append({_shm_name(t) for _, t in bucket})
+        assert [n for n, _ in got] == [n for n, _ in tensors]
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, tensors))
+        return slots
+
+    first = one_push()
+    assert len(first) == 3 and all(len(s) == 1 for s in first)
+    assert first[0] == first[2] != first[1]  # two segments, taken in turn
+    assert one_push() == first  # kept: the next push writes into the same pages
+    gone = next(iter(first[0]))
+    os.unlink("/dev/shm/" + gone.lstrip("/"))
+    again = one_push()
+    assert again[1] == first[1] and gone not in again[0] and again[0] == again[2]
+    names = set().union(*again)
+    del sync
     gc.collect()
-    assert not [n for n in names if os.path.exists("/dev/shm/" + n.lstrip("/"))]
+    assert not any(_in_shm(n) for n in names)
+
+
+def test_a_truncated_stored_version_fails_the_tensor_sync_naming_its_file(tmp_path):
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
+    from megapkl.rollout.version_store import VersionStoreError
+
+    source = _stored(tmp_path, [("a", torch.randn(64)), ("b", torch.randn(64))])
+    with source.open() as reader, pytest.raises(ValueError, match="tensor 'a'"):
+        reader.read_into(0, torch.empty(64, dtype=torch.bfloat16))  # not the stored dtype
+    data = source.path.read_bytes()
+    source.path.write_bytes(data[:-8])
+    sync = WeightSync(SyncSettings(mode="tensor"))
+    with pytest.raises(VersionStoreError, match=str(source.path)):
+        list(sync._tensor_buckets(source, sync._buffers))
 
 
 def test_config_fields_and_errors():

@@ -88,6 +88,27 @@ def test_each_mode_leaves_exact_weights_in_order(server, mode, tmp_path):
         assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v5"]
 
 
+def test_tensor_pushes_through_the_kept_segments_stay_exact(server, tmp_path):
+    """The tensor sync's two shared segments are rewritten by every bucket and push: a stored
+    version in three buckets (the third rewrites the first's segment), other weights, the stored
+    version again. The server holds exactly the weights of each push."""
+    from megapkl.rollout.version_store import VersionStore
+
+    store = VersionStore(tmp_path / "versions")
+    store.save(1, _weights(0))
+    sync = WeightSync(SyncSettings(mode="tensor", bucket_bytes=48 * 32 * 4, pause_mode="in_place",
+                                   timeout_s=30))
+    for version, source, expect in [(1, store.get(1), _weights(0)), (2, _weights(1), _weights(1)),
+                                    (3, store.get(1), _weights(0))]:
+        server.post("clear")
+        sync.push([Target(server.url)], source, version=version)
+        st = server.state()
+        assert st["version"] == str(version) and st["routes"].count(
+            "update_weights_from_tensor") == 3
+        for n, t in expect:
+            assert st["weights"][n].dtype == t.dtype and torch.equal(st["weights"][n], t), n
+
+
 def test_failed_update_names_server_and_lets_generation_continue(server, tmp_path):
     server.post("fail_on", {"route": "update_weights_from_tensor"})
     sync = WeightSync(SyncSettings(mode="tensor", timeout_s=30))
@@ -284,12 +305,14 @@ def test_the_update_group_is_never_split_from_a_bound_default_group():
 SIGNALED_MANAGER = r"""
 import gc, os, signal, subprocess, sys, tempfile, time
 import torch
-from megapkl.rollout.sglang.weights import serialize_named_tensors
+from megapkl.rollout.sglang.weights import SyncSettings, WeightSync, serialize_named_tensors
 from megapkl.rollout.version_store import VersionStore
-if sys.argv[1] == "stored":  # the first shared segment: a stored version streamed into it
+if sys.argv[1] == "stored":  # the first shared segment: a stored version read into the sync's
     store = VersionStore(tempfile.mkdtemp())
     store.save(1, [("w", torch.randn(1000))])
-    alive = [t for _, t in store.get(1).stream(shared=True)]
+    sync = WeightSync(SyncSettings(mode="tensor"))
+    alive = next(sync._tensor_buckets(store.get(1), sync._buffers))
+    del sync  # the segment goes with the last holder: `alive`, below
 else:
     _, alive = serialize_named_tensors([("w", torch.randn(1000))])
 managers = subprocess.run(["pgrep", "-f", "torch_shm_manager", "-P", str(os.getpid())],

@@ -5,9 +5,10 @@ The trainer holds its live weights; the version is written to the version store 
 train loop does when it keeps a version), then the rollout engine is given it:
 `engine.update_weights(<the stored version>, version)` against one `megapkl serve` worker. A thread
 samples this process's resident memory (VmRSS, shared memory it maps included) every 2 ms.
-Printed: the peak above the resident memory just before the sync, and what is still held after it,
-both in model copies (the version's bytes), for today's code beside the code of another git
-revision (default `main`), measured in one run, each in a fresh process, against the same worker.
+Printed: the peak above the resident memory just before the sync, what is still held after it
+(the engine still open: what it keeps between pushes) and after the engine is closed, all in model
+copies (the version's bytes), for today's code beside the code of another git revision (default
+`main`), measured in one run, each in a fresh process, against the same worker.
 Goal: the peak <= 1.2 model copies.
 
     python tools/bench/weight_memory.py [--baseline main] [--shape qwen3-0.6b|tiny]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,8 +102,9 @@ def child(url: str, spec: str, work: Path, bucket_mb: float) -> dict:
 
     assert http.request(url, "model_info", timeout=60)["weight_version"] == "1"
     engine.close()
+    gc.collect()
     return {"model_bytes": nbytes, "peak_above": peak.peak - before, "held_after": held - before,
-            "seconds": round(seconds, 2)}
+            "closed_after": rss() - before, "seconds": round(seconds, 2)}
 
 
 def trainer_weights(spec: str) -> list:
@@ -181,12 +184,14 @@ def main() -> None:
     finally:
         server.kill()
         server.wait()
+    shutil.rmtree(work)  # the stored versions: GBs (kept, with the logs, on a failure)
     print(json.dumps({"shape": args.shape, "bucket_mb": args.bucket_mb,
                       "model_bytes": rows["today"]["model_bytes"]}))
     for name, r in rows.items():
         m = r["model_bytes"]
         print(json.dumps({"code": name, "peak_above_live_copies": round(r["peak_above"] / m, 2),
                           "held_after_copies": round(r["held_after"] / m, 2),
+                          "closed_after_copies": round(r["closed_after"] / m, 2),
                           "peak_above_GB": round(r["peak_above"] / 1e9, 2),
                           "sync_seconds": r["seconds"]}))
 

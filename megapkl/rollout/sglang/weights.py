@@ -11,9 +11,10 @@ Buckets are consecutive runs of the exported (HF name, tensor) stream of at most
 named_tensors` first: the seam for FP8 re-quantization (identity by default).
 
 - tensor: `/update_weights_from_tensor` with SGLang's serialized named tensors (a base64 string of
-  a torch multiprocessing pickle, one copy per engine TP rank). CPU tensors travel as shared-memory
-  file names, so this is for servers on the same host only (colocated). A stored policy version
-  is read from its file straight into shared memory, bucket by bucket, freed once read.
+  a torch multiprocessing pickle, one per engine TP rank). CPU tensors travel as shared-memory
+  file names, so this is for servers on the same host only (colocated). Each bucket is laid out in
+  one of two shared segments kept from push to push (`SharedBuffers`); a stored policy version is
+  read from its file straight into them.
 - distributed: `/init_weights_update_group` once per fleet membership, then per bucket
   `/update_weights_from_distributed` {names, dtypes, shapes, load_format: flattened_bucket} while
   this process broadcasts the bucket from rank 0 of that group as one byte buffer. The group is
@@ -28,7 +29,6 @@ named_tensors` first: the seam for FP8 re-quantization (identity by default).
 """
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import socket
@@ -50,7 +50,8 @@ from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.protocol import PAUSE_MODES, check_fields
-from megapkl.rollout.shm import ensure_manager
+from megapkl.rollout.sglang.shared import (SharedBuffers, pickle_payload, place,  # noqa: F401
+                                            serialize_named_tensors)
 from megapkl.rollout.version_store import StoredVersion
 
 NamedTensors = list[tuple[str, Tensor]]
@@ -74,38 +75,6 @@ def buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
     # An FP8 weight's `_scale_inv` travels in its weight's bucket: a server loads each bucket
     # on its own and dequantizes a weight only with its scale.
     return bucketed(named_tensors, bucket_bytes, joins=lambda n: n.endswith(SCALE_SUFFIX))
-
-
-def serialize_named_tensors(named_tensors: NamedTensors) -> tuple[str, list[Tensor]]:
-    """SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` format: base64 of a
-    torch ForkingPickler pickle. CPU storages travel in shared memory by file name (the
-    'file_system' strategy: unlike passed descriptors this works between unrelated processes);
-    tensors already there (a stored version streamed into shared memory) go as they are, others
-    are copied there first. GPU tensors travel by CUDA IPC handle, uncopied. Returns the payload
-    and the shared tensors, which must stay alive until the server has read them: their shared
-    memory is freed when the last holder lets go."""
-    import base64
-    import torch.multiprocessing as tmp
-    from multiprocessing.reduction import ForkingPickler
-
-    ensure_manager()  # torch's shared-memory helper, started so a job signal cannot kill it
-    previous = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy("file_system")
-    try:
-        shared = [(n, shared_copy(t.detach())) for n, t in named_tensors]
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(shared)
-    finally:
-        tmp.set_sharing_strategy(previous)
-    return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in shared]
-
-
-def shared_copy(t: Tensor) -> Tensor:
-    """`t` in shared memory: itself when it is there already (or on a GPU), else a copy."""
-    if t.device.type != "cpu" or t.is_shared():
-        return t
-    storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
-    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape).copy_(t)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -254,6 +223,8 @@ class WeightSync:
         self._lock = threading.Lock()
         self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
         self.free_memory: Callable[[], None] = free_cached_memory  # before each resume
+        self._buffers = SharedBuffers()  # tensor mode: shared memory kept between pushes
+        self._buffers_lock = threading.Lock()
 
     # ------------------------------------------------------------------ calls
     def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
@@ -327,8 +298,14 @@ class WeightSync:
 
     def close(self) -> None:
         """Leave the weight-update group: ours destroyed, every member told to leave it (best
-        effort). Idempotent; a later distributed push makes a new group."""
+        effort), and the tensor sync's shared memory freed. Idempotent; a later push makes new
+        ones."""
         self.close_group()
+        if self._buffers_lock.acquire(blocking=False):  # a push running frees them when it fails
+            try:
+                self._buffers.release()
+            finally:
+                self._buffers_lock.release()
 
     def release_memory(self, targets: Sequence[Target]) -> None:
         """Colocated: hand the servers' GPU memory (weights, KV cache) to the trainer."""
@@ -370,12 +347,11 @@ class WeightSync:
 
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stored = isinstance(named_tensors, StoredVersion)
-        if stored and self.s.mode == "tensor":  # read from disk straight into shared memory
-            named_tensors = named_tensors.stream(shared=True)
-        stream = buckets(named_tensors, self.s.bucket_bytes)
         if self.s.mode == "tensor":
-            self._send_tensor(targets, stream)
-        elif self.s.mode == "distributed":
+            self._send_tensor(targets, named_tensors)
+            return
+        stream = buckets(named_tensors, self.s.bucket_bytes)
+        if self.s.mode == "distributed":
             self._send_distributed(targets, stream)
         else:  # a stored version is loaded from its own file, never written again
             path = named_tensors.path.parent if stored else self._export(stream, version)
@@ -383,27 +359,45 @@ class WeightSync:
                       lambda t: {"model_path": str(path), "load_format": "safetensors",
                                  "flush_cache": False})
 
-    def _send_tensor(self, targets: Sequence[Target], stream: Iterator[NamedTensors]) -> None:
-        """Bucket k + 1 is read into shared memory (a worker thread) while the servers load
-        bucket k: the two overlap instead of taking turns. Each bucket's shared memory is freed
-        once the servers have read it: nothing stays between pushes."""
-        def prepare(bucket: NamedTensors) -> tuple[str, list[Tensor]]:
-            return serialize_named_tensors(self.transform(bucket))
+    def _send_tensor(self, targets: Sequence[Target], named_tensors) -> None:
+        """Bucket k + 1 is laid out in shared memory (a worker thread) while the servers load
+        bucket k, in the other slot: it is started after bucket k - 1, in its slot, was loaded."""
+        with self._buffers_lock:
+            stream = self._tensor_buckets(named_tensors, self._buffers)
+            try:
+                with ThreadPoolExecutor(1) as pool:
+                    pending = pool.submit(next, stream, None)
+                    while True:
+                        bucket = pending.result()
+                        if bucket is None:
+                            break
+                        pending = pool.submit(next, stream, None)
+                        self._all(targets, "update_weights_from_tensor",
+                                  lambda t: {"serialized_named_tensors": [
+                                      pickle_payload(bucket) for _ in range(t.tp)],
+                                      "flush_cache": False})
+            except BaseException:  # a server may still read a slot: never written again
+                self._buffers.release()
+                raise
+            finally:
+                stream.close()
 
-        first = next(stream, None)
-        if first is None:
+    def _tensor_buckets(self, source, buffers: SharedBuffers) -> Iterator[NamedTensors]:
+        """The push's buckets, transformed, each in slot k of `buffers`: a stored version is read
+        from its file straight into it (what its transform makes anew goes into a fresh segment),
+        anything else is copied there after its transform."""
+        if not isinstance(source, StoredVersion):
+            for k, bucket in enumerate(buckets(source, self.s.bucket_bytes)):
+                yield place(buffers, k, self.transform(bucket))
             return
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(prepare, first)
-            del first  # else bucket 0's shared memory stays until the push ends
-            while pending is not None:
-                payload, alive = pending.result()
-                following = next(stream, None)
-                pending = pool.submit(prepare, following) if following is not None else None
-                self._all(targets, "update_weights_from_tensor",
-                          lambda t: {"serialized_named_tensors": [payload] * t.tp,
-                                     "flush_cache": False})
-                del alive  # the servers have read the bucket: its shared memory may go
+        with source.open() as reader:  # the layout is planned from the header alone
+            meta = [(name, torch.empty(shape, dtype=dtype, device="meta"))
+                    for name, dtype, shape in reader.layout]
+            index = {name: i for i, (name, _) in enumerate(meta)}
+            for k, bucket in enumerate(buckets(meta, self.s.bucket_bytes)):
+                views = buffers.views(k, [(t.dtype, t.shape) for _, t in bucket])
+                read = [(n, reader.read_into(index[n], v)) for (n, _), v in zip(bucket, views)]
+                yield place(SharedBuffers(), 0, self.transform(read), views[0].untyped_storage())
 
     # ------------------------------------------------------------------ distributed
     def _ensure_group(self, targets: Sequence[Target]):
