@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,27 +68,40 @@ def quantile_metrics(name: str, values: Tensor) -> dict[str, float]:
 
 
 class _Builder:
-    """Collects tensors on the loss's device, then converts them to floats in one host transfer."""
+    """Collects 0-d float64 tensors on the loss's device, then converts them to floats in one
+    stack and one host transfer. A loss call adds a dozen items per micro-batch, so each item
+    costs at most a float64 cast (sums are float64 already) and counts known on the host stay
+    Python floats."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.items: list[tuple[str, str, Tensor]] = []
+        self.items: list[tuple[str, str, Tensor | float]] = []
         self.samples: dict[str, Tensor] = {}
 
     def sample(self, name: str, values: Tensor) -> None:
         self.samples[name] = values.detach().to(torch.float64).reshape(-1)
 
-    def add(self, kind: str, name: str, value: Tensor) -> None:
+    def add(self, kind: str, name: str, value: Tensor | float) -> None:
         # a Python number (an objective's scalar metric) joins the loss's device, where every
         # other item lives: one stack, one transfer (a GPU refuses a stack across devices)
-        value = torch.as_tensor(value, device=self.device)
-        self.items.append((kind, name, value.detach().to(torch.float64).reshape(())))
+        if not isinstance(value, Tensor) or value.device != self.device:
+            value = torch.as_tensor(value, device=self.device)
+        if value.dim():
+            value = value.reshape(())
+        if value.dtype != torch.float64:
+            value = value.to(torch.float64)
+        self.items.append((kind, name, value))
+
+    def add_float(self, kind: str, name: str, value: float) -> None:
+        """A value already on the host (no tensor, no transfer)."""
+        self.items.append((kind, name, float(value)))
 
     def mean(self, name: str, values: Tensor, mask: Tensor | None = None) -> None:
         v = values.to(torch.float64)
         if mask is None:
             self.add("sum", name, v.sum())
-            self.add("count", name, torch.tensor(float(v.numel()), device=v.device))
+            # the count as a float32 tensor would hold it (exact below 2^24 elements)
+            self.add_float("count", name, float(np.float32(v.numel())))
         else:
             self.add("sum", name, v[mask].sum())
             self.add("count", name, mask.sum())
@@ -96,20 +110,27 @@ class _Builder:
         parts = MetricParts(samples=dict(self.samples))
         if not self.items:
             return parts
-        floats = torch.stack([t for _, _, t in self.items]).tolist()
+        tensors = [t for _, _, t in self.items if isinstance(t, Tensor)]
+        floats = iter(torch.stack(tensors).tolist() if tensors else ())
         target = {"sum": parts.sums, "count": parts.counts, "max": parts.maxes, "min": parts.mins,
                   "total": parts.totals, "value": parts.values}
-        for (kind, name, _), x in zip(self.items, floats):
-            target[kind][name] = x
+        for kind, name, t in self.items:
+            target[kind][name] = next(floats) if isinstance(t, Tensor) else t
         return parts
 
 
 def _max(b: _Builder, name: str, x: Tensor, default: float = -float("inf")) -> None:
-    b.add("max", name, x.max() if x.numel() else torch.tensor(default, device=x.device))
+    if x.numel():
+        b.add("max", name, x.max())
+    else:
+        b.add_float("max", name, default)
 
 
 def _min(b: _Builder, name: str, x: Tensor, default: float = float("inf")) -> None:
-    b.add("min", name, x.min() if x.numel() else torch.tensor(default, device=x.device))
+    if x.numel():
+        b.add("min", name, x.min())
+    else:
+        b.add_float("min", name, default)
 
 
 def collect_metrics(s: Stats, terms: Terms, coef: Tensor, loss_value: Tensor) -> MetricParts:

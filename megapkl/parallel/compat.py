@@ -37,6 +37,21 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
    asked, which is what the caller expects on GPU.
 7. The causal-mask helper of megatron's unfused softmax (also re-run inside backward by activation
    recompute) builds its mask on the CPU directly. Same mask, same device as without recompute.
+
+The last two patches only remove per-call work that computes nothing (the tiny demo model runs 8
+micro-batches of ~64 tokens per update, where megatron's per-call overhead, not arithmetic, is
+the time). Both give bit-identical results, forward and backward (tests/parallel/test_compat.py):
+8. megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, the only RoPE without a fused kernel)
+   recomputes cos/sin of the same frequency table for q and k of every layer and micro-batch,
+   rotates with chunk + neg + cat, and slices/concatenates an empty pass-through part (whose
+   backward adds a tensor of zeros) -> tables cached per frequency tensor (megatron's rotary
+   embedding caches that tensor per sequence length), the sign of rotate-half folded into the
+   sine table, the rotation one `torch.roll`. Exact: negating a factor instead of the product
+   and moving elements change no bit.
+9. Every tensor-parallel linear layer wraps its input or output in an autograd Function that
+   copies / all-reduces over the TP group, and megatron's own helper returns the tensor unchanged
+   in both directions when the group has one rank -> the layers skip that Function (a forward
+   and a backward node per layer and micro-batch) for a one-rank group.
 """
 
 from __future__ import annotations
@@ -96,6 +111,8 @@ def install() -> bool:
         _patch_streams()
         _patch_placement()
         _patch_megatron()
+        _patch_rope()
+        _patch_tp_regions()
         _installed = True
     return True
 
@@ -321,3 +338,69 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     """megatron's `get_default_causal_mask` (True above the diagonal), on the CPU. Cached: every
     layer of every micro-batch asks for the same few lengths, and the mask is only read."""
     return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()
+
+
+# ---------------------------------------------------------------- 8. RoPE tables
+
+
+def _patch_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+
+    @functools.wraps(original)
+    def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                  multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+        dim = t.shape[-1]
+        if rotary_interleaved or multi_latent_attention or freqs.shape[-1] != dim or dim % 2:
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos, signed_sin = _rope_tables(freqs, mscale, t.dtype)
+        # megatron: t * cos + cat(-t2, t1) * sin; roll(t) = cat(t2, t1), sin's first half negated.
+        # contiguous like megatron's final cat (callers `.view` it); a no-op for the usual layouts
+        return (t * cos + torch.roll(t, dim // 2, dims=-1) * signed_sin).contiguous()
+
+    rope_utils._apply_rotary_pos_emb_bshd = rope_bshd
+
+
+_ROPE_CACHE: list = []  # [(freqs, mscale, dtype, cos, signed sin)], newest last
+# q and k of every layer share one table, so one entry serves a micro-batch; two let two lengths
+# alternate. THD rows build a fresh frequency tensor per call: those miss, and stay bounded.
+_ROPE_CACHE_SIZE = 2
+
+
+def _rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """megatron's (cos(freqs) * mscale, sin(freqs) * mscale) in `dtype`, the sine's first half
+    negated; cached per freqs tensor (held, so its id is never reused while cached)."""
+    for f, m, d, cos, sin in _ROPE_CACHE:
+        if f is freqs and m == mscale and d == dtype:
+            return cos, sin
+    cos = (torch.cos(freqs) * mscale).to(dtype)
+    sin = (torch.sin(freqs) * mscale).to(dtype)
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    # tables built under inference mode could not enter a graph later; gradients never flow to
+    # a frequency table, but a table that did require them must not be shared either
+    if not (torch.is_inference_mode_enabled() or freqs.requires_grad):
+        _ROPE_CACHE.append((freqs, mscale, dtype, cos, sin))
+        del _ROPE_CACHE[:-_ROPE_CACHE_SIZE]
+    return cos, sin
+
+
+# ---------------------------------------------------------------- 9. one-rank TP regions
+
+
+def _patch_tp_regions() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
+        setattr(layers, name, _identity_on_one_rank(getattr(layers, name)))
+
+
+def _identity_on_one_rank(region: Callable) -> Callable:
+    @functools.wraps(region)
+    def call(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
+        # megatron's `_reduce` and the copy are the identity, forward and backward, on one rank
+        if group is not None and group.size() == 1:
+            return input_
+        return region(input_, group)
+    return call

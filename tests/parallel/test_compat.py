@@ -190,6 +190,66 @@ def test_activation_checkpoint_replays_dropout(dist_run):
     assert dist_run(worker, 1) == [(True, True)]
 
 
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def test_rope_matches_megatron_bit_for_bit(dist_run):
+    """Patch 8: cached tables and a roll give megatron's unfused RoPE exactly, forward and
+    backward (signed zeros included); a layout it does not cover goes to megatron's own."""
+    def worker(rank, world_size):
+        from megatron.core.models.common.embeddings import rope_utils
+
+        patched = rope_utils._apply_rotary_pos_emb_bshd
+        megatron = patched.__wrapped__
+        gen = torch.Generator().manual_seed(3)
+        results = []
+        for dtype, (s, b, h, d), mscale, rot, strided in [
+                (torch.float32, (5, 3, 4, 16), 1.0, 16, False),
+                (torch.bfloat16, (7, 2, 2, 32), 1.0, 32, False),
+                (torch.float32, (4, 2, 2, 16), 0.7, 16, False),
+                (torch.float32, (6, 3, 2, 16), 1.0, 16, True),  # a [b, s] buffer seen as [s, b]
+                (torch.float32, (4, 2, 2, 16), 1.0, 8, False)]:  # partial: megatron's own path
+            inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+            f = torch.outer(torch.arange(s).float(), inv)
+            freqs = torch.cat((f, f), -1)[:, None, None, :]
+            x = (torch.randn(b, s, h, d, generator=gen) * 3).to(dtype).transpose(0, 1)
+            x = x if strided else x.contiguous()
+            x[0, 0, 0, :3], x[0, 0, 0, 3:5] = 0.0, -0.0
+            g = torch.randn(s, b, h, d, generator=gen).to(dtype)
+            g[1, 0, 0, :3] = -0.0
+            outs = []
+            for fn in (megatron, patched, patched):  # the second patched call reads the cache
+                xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+                y = fn(xi, freqs, mscale=mscale)
+                y.backward(g)
+                assert y.is_contiguous()  # callers `.view` it
+                outs.append((y.detach(), xi.grad))
+            (ref_y, ref_g), rest = outs[0], outs[1:]
+            results.append(all(torch.equal(_bits(y), _bits(ref_y)) and
+                               torch.equal(_bits(grad), _bits(ref_g)) for y, grad in rest))
+        return results
+
+    assert dist_run(worker, 1) == [[True] * 5]
+
+
+def test_tp_regions_are_identities_on_one_rank(dist_run):
+    """Patch 9: a one-rank TP group skips the copy / all-reduce Function; larger groups keep
+    megatron's (test_gpt_tp2_matches_tp1 runs them)."""
+    def worker(rank, world_size):
+        from megatron.core.tensor_parallel import layers
+        from megapkl.parallel.groups import init_parallel
+
+        groups = init_parallel(tp=world_size, seed=1)
+        x = torch.randn(3, requires_grad=True)
+        outs = [layers.copy_to_tensor_model_parallel_region(x, group=groups.tp),
+                layers.reduce_from_tensor_model_parallel_region(x, group=groups.tp)]
+        return [y is x for y in outs]
+
+    assert dist_run(worker, 1) == [[True, True]]
+    assert dist_run(worker, 2) == [[False, False], [False, False]]
+
+
 @pytest.mark.parametrize("loss_kind", ["linear", "vocab_parallel"])
 def test_gpt_tp2_matches_tp1(dist_run, loss_kind):
     (ref,) = dist_run(gpt_forward_backward, 1, 1, loss_kind)
