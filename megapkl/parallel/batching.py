@@ -169,34 +169,52 @@ def _check_routed(s: PackableSample, first: PackableSample, who: str) -> None:
 
 def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Sequence[int],
           b: int, s: int, pad_id: int) -> dict[str, Any]:
-    """Place every sample at (row, offset) of [b, S] buffers; labels shifted per sequence."""
+    """Place every sample at (row, offset) of [b, S] buffers; labels shifted per sequence.
+
+    One scatter per buffer over every sample's positions (a micro-batch's samples, a few tensor
+    ops each, were most of packing's time): position j of sample i (prompt p_i + response t_i
+    tokens) sits at (rows[i], offsets[i] + j); its label is token j + 1 of the same sequence; the
+    action tokens are the labels at j = p_i - 1 .. p_i + t_i - 2."""
+    prompt = [int(x.prompt_ids.numel()) for x in samples]
+    length = torch.tensor([p + int(x.response_ids.numel()) for p, x in zip(prompt, samples)])
+    # built on the host, moved to the device with the micro-batch (a sample may hold either)
+    seq = torch.cat([t.cpu() for x in samples for t in (x.prompt_ids, x.response_ids)]
+                    ).to(torch.int64)
+    n = len(samples)  # `rows` and `offsets` may go on (a THD row's trailing padding segment)
+    at_row = torch.tensor(list(rows)[:n], dtype=torch.int64).repeat_interleave(length)
+    j = torch.arange(seq.numel()) - (torch.cumsum(length, 0) - length).repeat_interleave(length)
+    at_col = torch.tensor(list(offsets)[:n], dtype=torch.int64).repeat_interleave(length) + j
+    first_label = torch.tensor(prompt).repeat_interleave(length) - 1  # the first action's j
+    labelled = j < length.repeat_interleave(length) - 1          # every position but the last
+    action = labelled & (j >= first_label)
+    la_row, la_col = at_row[labelled], at_col[labelled]
+    ac_row, ac_col = at_row[action], at_col[action]
+
     tokens = torch.full((b, s), pad_id, dtype=torch.int64)
+    tokens[at_row, at_col] = seq
     labels = torch.zeros(b, s, dtype=torch.int64)
+    labels[ac_row, ac_col] = seq[1:][action[:-1]]  # only action positions keep a label
     loss_mask = torch.zeros(b, s, dtype=torch.bool)
+    loss_mask[ac_row, ac_col] = True
     action_pos = torch.zeros(b, s, dtype=torch.int64)
+    action_pos[ac_row, ac_col] = (j - first_label)[action] + 1
     first = samples[0]
-    fields = {name: torch.zeros((b, s, *getattr(first, attr).shape[1:]),
-                                dtype=getattr(first, attr).dtype)
-              for name, attr in SAMPLE_FIELDS.items() if getattr(first, attr) is not None}
+    fields = {}
+    for name, attr in SAMPLE_FIELDS.items():
+        if getattr(first, attr) is None:
+            continue
+        ref = getattr(first, attr)
+        fields[name] = torch.zeros((b, s, *ref.shape[1:]), dtype=ref.dtype)
+        fields[name][ac_row, ac_col] = torch.cat([getattr(x, attr).cpu().to(ref.dtype)
+                                                  for x in samples])
     routed = None
     if first.routed_experts is not None:
         layers, k = first.routed_experts.shape[1:]
         # Rows the engine did not report (each sequence's last token, padding) route to experts
         # 0..k-1: their outputs feed no loss term (causal attention keeps them out of earlier tokens).
         routed = torch.arange(k, dtype=torch.int64).expand(b, s, layers, k).clone()
-    for i, (smp, row, o) in enumerate(zip(samples, rows, offsets)):
-        p, t = smp.prompt_ids.numel(), smp.response_ids.numel()
-        seq = torch.cat([smp.prompt_ids, smp.response_ids]).to(torch.int64)
-        tokens[row, o:o + p + t] = seq
-        labels[row, o:o + p + t - 1] = seq[1:]     # the shift, within this sequence only
-        at = slice(o + p - 1, o + p - 1 + t)       # label positions of the action tokens
-        loss_mask[row, at] = True
-        action_pos[row, at] = torch.arange(1, t + 1)
-        for name, buf in fields.items():
-            buf[row, at] = getattr(smp, SAMPLE_FIELDS[name]).to(buf.dtype)
-        if routed is not None:
-            routed[row, o:o + p + t - 1] = smp.routed_experts.to(torch.int64)
-    labels = torch.where(loss_mask, labels, torch.zeros_like(labels))
+        routed[la_row, la_col] = torch.cat([x.routed_experts.cpu().to(torch.int64)
+                                            for x in samples])
     m = len(samples)
     pad = max(b - m, 0)   # BSHD padding rows; a THD row holds all m responses
     per_resp = lambda vals, dtype: torch.cat([torch.tensor(vals, dtype=dtype),  # noqa: E731

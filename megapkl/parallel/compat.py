@@ -52,6 +52,14 @@ the time). Both give bit-identical results, forward and backward (tests/parallel
    copies / all-reduces over the TP group, and megatron's own helper returns the tensor unchanged
    in both directions when the group has one rank -> the layers skip that Function (a forward
    and a backward node per layer and micro-batch) for a one-rank group.
+10. megatron's gradient and parameter buffers reduce-scatter / all-gather each bucket over the
+   data-parallel group; on a one-rank group the rank's shard is the whole bucket, so both read
+   and write the same memory and change nothing -> skipped (synchronous calls only). Not for the
+   copy's cost: gloo runs it in one of its own threads, where a copy that large starts an OpenMP
+   team of that thread's own, and while two teams are alive on a 2-core host every later
+   multi-threaded op of the training thread waits for its sleeping worker (GNU OpenMP stops
+   spinning when it manages more threads than there are CPUs): a 64x64 matmul took 75 us instead
+   of 11, and the demo's training step 0.082 s instead of 0.05.
 """
 
 from __future__ import annotations
@@ -113,6 +121,7 @@ def install() -> bool:
         _patch_megatron()
         _patch_rope()
         _patch_tp_regions()
+        _patch_one_rank_buffers()
         _installed = True
     return True
 
@@ -403,4 +412,27 @@ def _identity_on_one_rank(region: Callable) -> Callable:
         if group is not None and group.size() == 1:
             return input_
         return region(input_, group)
+    return call
+
+
+# ---------------------------------------------------------------- 10. one-rank buffer collectives
+
+
+def _patch_one_rank_buffers() -> None:
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
+        setattr(buffers, name, _skip_in_place_on_one_rank(getattr(buffers, name)))
+
+
+def _skip_in_place_on_one_rank(collective: Callable) -> Callable:
+    @functools.wraps(collective)
+    def call(output: torch.Tensor, input_: torch.Tensor, *args: Any, group: Any = None,
+             async_op: bool = False, **kwargs: Any) -> Any:
+        # one rank, the shard is the bucket: a reduction over one rank and a gather of one shard
+        # both leave it as it is (a caller waiting on a handle gets the real call)
+        if (not async_op and group is not None and group.size() == 1
+                and output.data_ptr() == input_.data_ptr() and output.numel() == input_.numel()):
+            return None
+        return collective(output, input_, *args, group=group, async_op=async_op, **kwargs)
     return call

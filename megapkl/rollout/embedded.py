@@ -486,12 +486,12 @@ class EmbeddedEngine(RolloutEngine):
     def _left_pad(self, prompt_ids: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """input ids, attention mask and position ids [B, P_max] for left-padded prompts.
         Positions count real tokens only (0 at each row's first prompt token)."""
-        width = max(int(p.numel()) for p in prompt_ids)
+        lengths = torch.tensor([int(p.numel()) for p in prompt_ids])
+        width = int(lengths.max())
         ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for row, p in enumerate(prompt_ids):
-            ids[row, width - p.numel():] = p
-            mask[row, width - p.numel():] = 1
+        # column c of a row holds a prompt token when c >= width - its length: one scatter
+        mask = (torch.arange(width) >= width - lengths[:, None]).long()
+        ids[mask.bool()] = torch.cat(list(prompt_ids)).to(torch.long)
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
@@ -514,11 +514,10 @@ class EmbeddedEngine(RolloutEngine):
         stacked = {key: torch.stack([s[key] for s in steps], dim=1) for key in steps[0]}
         width = max(int(p.numel()) for p in prompt_ids)
         rows = []
-        for b, prompt in enumerate(prompt_ids):
-            r = int(lengths[b])
+        for b, (prompt, r, stop) in enumerate(zip(prompt_ids, lengths.tolist(), stopped.tolist())):
             row = {"response_ids": stacked["token"][b, :r].clone(),
                    "logp": stacked["logp"][b, :r].clone(),
-                   "finish": "stop" if bool(stopped[b]) else "length"}
+                   "finish": "stop" if stop else "length"}
             if "topk_ids" in stacked:
                 row["topk_ids"] = stacked["topk_ids"][b, :r].clone()
                 row["topk_logp"] = stacked["topk_logp"][b, :r].clone()

@@ -359,6 +359,39 @@ def test_ddp_distributed_optimizer_dp2_matches_dp1(dist_run):
         assert norm == pytest.approx(ref_norm, rel=1e-5)
 
 
+def buffer_collectives(rank, world_size, patched):
+    """ddp_adam_steps with patch 10 on or off: logits, grad norm and the collectives that ran
+    (the profiler's record of the c10d ops dispatched)."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    names = ("dist_reduce_scatter_func", "dist_all_gather_func")
+    kept = {n: getattr(buffers, n) for n in names}
+    if not patched:
+        for n in names:
+            setattr(buffers, n, kept[n].__wrapped__)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            logits, norm = ddp_adam_steps(rank, world_size, 1)
+    finally:
+        for n in names:
+            setattr(buffers, n, kept[n])
+    # megatron coalesces each bucket group's collectives (other all-gathers, of group tables and
+    # the test's TP logits, are not the buffers')
+    ran = sorted({e.name for e in prof.events() if "coalesced" in e.name})
+    return logits, norm, ran
+
+
+def test_buffer_collectives_skipped_on_one_rank(dist_run):
+    """Patch 10: on one rank megatron's bucket reduce-scatter and all-gather (gloo copies a bucket
+    onto itself in its own thread) are skipped, with bit-identical parameters; two ranks run them."""
+    ((logits, norm, ran),) = dist_run(buffer_collectives, 1, True)
+    ((ref_logits, ref_norm, ref_ran),) = dist_run(buffer_collectives, 1, False)
+    assert ran == [] and ref_ran, (ran, ref_ran)  # megatron's own path does run them
+    assert torch.equal(_bits(logits), _bits(ref_logits)) and norm == ref_norm
+    for _, _, two in dist_run(buffer_collectives, 2, True):
+        assert two == ref_ran
+
+
 def moe_gpt(ep, dispatcher):
     """Tiny MoE GPT (SequentialMLP, 4 experts, top-2): needs the te_general_gemm fix on CPU."""
     from megatron.core.models.gpt import GPTModel
