@@ -65,6 +65,40 @@ def test_both_sides_get_the_same_settings(d, tmp_path):
             == hf_config_dict(load_spec(d["model"]), "float32"))
 
 
+def test_two_rank_system_changes_only_the_rank_count(tmp_path):
+    """megapkl DP=2 trains the same batch in the same micro-batches, split over two ranks."""
+    one = peer.megapkl_overrides(peer.DESCRIPTION, 3, 7, tmp_path / "run")
+    two = peer.megapkl_overrides(peer.DESCRIPTION, 3, 7, tmp_path / "run", ranks=2)
+    assert [a for a, b in zip(one, two) if a != b] == ["parallel.data=1"] and len(one) == len(two)
+    cfg = load_config(str(peer.DEMO_CONFIG), two)
+    assert cfg.parallel.data == 2
+    assert cfg.parallel.micro_batch_size == peer.DESCRIPTION["micro_batch_size"]
+    assert (cfg.rollout.prompts_per_batch * cfg.rollout.responses_per_prompt
+            == peer.DESCRIPTION["prompts_per_update"] * peer.DESCRIPTION["group_size"])
+
+
+def test_cpu_seconds_counts_child_processes(tmp_path):
+    """DP=2's ranks are children of the launching process: their CPU time is the system's."""
+    import subprocess
+    import sys
+    import time
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+    proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys\n"
+                             f"c = [subprocess.Popen([sys.executable, '-c', {spin!r}]) "
+                             f"for _ in range(2)]\n[x.wait() for x in c]\ntime.sleep(5)"
+                             .replace("time.sleep", "__import__('time').sleep")])
+    try:
+        best = 0.0
+        while proc.poll() is None and best < 2.5:
+            best = max(best, peer.cpu_seconds(proc.pid))
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert best >= 2.5  # two children of 1.5 CPU s each, the parent idle
+
+
 def test_trl_tokenizer_has_megapkl_ids():
     tok, ref = peer.char_tokenizer(), CharTokenizer()
     for p in make_synthetic_task("next_mod10").problems():

@@ -2,9 +2,11 @@
 
 Both sides train the demo's tiny Qwen3 on `next_mod10` with on-policy GRPO, one process each with
 2 threads, from the one description `DESCRIPTION`; `megapkl_overrides` and `trl_settings` derive
-each side's settings from it (tests/test_bench_peer.py checks that they agree). Runs alternate
-(megapkl, TRL, TRL, megapkl, ...: the side that goes first changes every seed) so that load on the
-machine falls on both alike, and each is a subprocess whose peak RSS the kernel reports.
+each side's settings from it (tests/test_bench_peer.py checks that they agree). A third system,
+`megapkl DP=2`, is megapkl with the same settings as two data-parallel ranks of one thread each
+(the same two cores, the same batch, each rank training half of the micro-batches). Runs alternate
+(the order of the systems reverses every seed) so that load on the machine falls on all alike, and
+each is a subprocess whose peak RSS the kernel reports (for DP=2: the largest of its processes).
 
     python tools/bench/peer_trl.py --install          # once: the side environment (local wheels)
     python tools/bench/peer_trl.py [--seeds 2] [--updates 300] [--threshold 0.9] [--set KEY=VALUE]
@@ -89,12 +91,15 @@ DESCRIPTION = {
 }
 
 
-def megapkl_overrides(d: dict, seed: int, updates: int, run_dir: Path) -> list[str]:
-    """`megapkl train configs/demo/cpu_demo.yaml` overrides for the description: one process,
-    on-policy GRPO."""
+def megapkl_overrides(d: dict, seed: int, updates: int, run_dir: Path, ranks: int = 1
+                      ) -> list[str]:
+    """`megapkl train configs/demo/cpu_demo.yaml` overrides for the description: on-policy GRPO,
+    in one process or as `ranks` data-parallel ranks (megapkl's local launcher gives each rank
+    cpu_count // ranks threads: one each here). The update's batch and micro-batch size are the
+    same at any rank count: each rank trains its share of the micro-batches."""
     return [
         f"seed={seed}", f"run_dir={run_dir}", f"model.name={d['model']}",
-        f"model.dtype={d['dtype']}", "model.recompute=none", "parallel.data=1",
+        f"model.dtype={d['dtype']}", "model.recompute=none", f"parallel.data={ranks}",
         f"parallel.micro_batch_size={d['micro_batch_size']}",
         "objective.name=grpo", "objective.aggregation=token_mean",
         f"objective.eps_clip_low={d['clip_eps']}", f"objective.eps_clip_high={d['clip_eps']}",
@@ -283,9 +288,29 @@ def child_env() -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a running process, all its threads (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a running process and its descendants, all their threads
+    (/proc/PID/stat; megapkl DP=2 trains in child processes)."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue  # exited meanwhile
+            # utime + stime, and cutime + cstime: the children it has reaped (whose own
+            # entries are gone), so the sum never drops when a rank exits
+            stats[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+    if pid not in stats:
+        raise OSError(f"process {pid} is gone")
+    children: dict = {}
+    for p, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(p)
+    todo, ticks = [pid], 0
+    while todo:
+        p = todo.pop()
+        ticks += stats[p][1]
+        todo += children.get(p, [])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_per_update(samples: list[tuple[int, float]]) -> float | None:
@@ -331,15 +356,17 @@ def run_child(cmd: list[str], log: Path, cwd: Path, metrics: Path) -> dict:
             "load_avg": statistics.mean(loads) if loads else os.getloadavg()[0]}
 
 
-def run_megapkl(d: dict, seed: int, updates: int, work: Path) -> tuple[Path, dict]:
-    run_dir = work / f"megapkl_s{seed}"
+def run_megapkl(d: dict, seed: int, updates: int, work: Path, ranks: int = 1
+                ) -> tuple[Path, dict]:
+    name = "megapkl" if ranks == 1 else f"megapkl_dp{ranks}"
+    run_dir = work / f"{name}_s{seed}"
     python = ROOT / ".venv" / "bin" / "python"
     cmd = [str(python if python.exists() else sys.executable), "-m", "megapkl.cli", "train",
-           str(DEMO_CONFIG), *megapkl_overrides(d, seed, updates, run_dir),
+           str(DEMO_CONFIG), *megapkl_overrides(d, seed, updates, run_dir, ranks),
            "--if-exists", "overwrite"]
     shutil.rmtree(run_dir, ignore_errors=True)  # rows of an earlier run would count as this one's
     metrics = run_dir / "metrics.jsonl"
-    return metrics, run_child(cmd, work / f"megapkl_s{seed}.log", work, metrics)
+    return metrics, run_child(cmd, work / f"{name}_s{seed}.log", work, metrics)
 
 
 def run_trl(d: dict, seed: int, updates: int, work: Path) -> tuple[Path, dict]:
@@ -401,13 +428,16 @@ def table(results: dict, threshold: float) -> str:
                      f"| {spread([r['final_accuracy'] for r in runs], '.2f')} "
                      f"| {spread([r['wall_s'] for r in runs], '.0f')} "
                      f"| {spread([r['load_avg'] for r in runs], '.1f')} |")
-    pairs = list(zip(results["megapkl"], results["TRL"]))
-    for key, what in (("s_per_update", "median seconds"), ("p10_s_per_update", "p10 seconds"),
-                      ("cpu_s_per_update", "CPU seconds")):
-        ratios = [m[key] / t[key] for m, t in pairs if m.get(key) and t.get(key)]
-        if ratios:
-            lines.append(f"\nmegapkl / TRL {what} per update, paired by seed: "
-                         f"{spread(ratios, '.2f')}")
+    for name in results:
+        if name == "TRL" or "TRL" not in results:
+            continue
+        pairs = list(zip(results[name], results["TRL"]))
+        for key, what in (("s_per_update", "median seconds"), ("p10_s_per_update", "p10 seconds"),
+                          ("cpu_s_per_update", "CPU seconds")):
+            ratios = [m[key] / t[key] for m, t in pairs if m.get(key) and t.get(key)]
+            if ratios:
+                lines.append(f"\n{name} / TRL {what} per update, paired by seed: "
+                             f"{spread(ratios, '.2f')}")
     return "\n".join(lines)
 
 
@@ -427,10 +457,12 @@ def bench(args) -> None:
     d = described(args.set or [])
     work = Path(args.out or tempfile.mkdtemp(prefix="megapkl_peer_trl_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results: dict = {"megapkl": [], "TRL": []}
-    runners = {"megapkl": run_megapkl, "TRL": run_trl}
+    runners = {"megapkl": run_megapkl, "TRL": run_trl,
+               "megapkl DP=2": lambda *a: run_megapkl(*a, ranks=2)}
+    systems = [s for s in runners if s in args.systems]
+    results: dict = {name: [] for name in systems}
     for i, seed in enumerate(range(args.seed_base, args.seed_base + args.seeds)):
-        order = ("megapkl", "TRL") if i % 2 == 0 else ("TRL", "megapkl")  # alternate who goes first
+        order = systems if i % 2 == 0 else systems[::-1]  # alternate who goes first
         for name in order:
             path, process = runners[name](d, seed, args.updates, work)
             results[name].append({"seed": seed, **summarize(d, path, process, args.threshold)})
@@ -438,7 +470,8 @@ def bench(args) -> None:
     (work / "results.json").write_text(json.dumps({"description": d, "updates": args.updates,
                                                    "threshold": args.threshold,
                                                    "results": results}, indent=1))
-    print(f"\n{args.seeds} seed(s) x {args.updates} updates per system, {THREADS} threads each; "
+    print(f"\n{args.seeds} seed(s) x {args.updates} updates per system, {THREADS} threads per "
+          "process (megapkl DP=2: two processes of one thread); "
           f"per-update time leaves out the first {WARMUP} updates; runs and logs in {work}\n")
     print(table(results, args.threshold))
 
@@ -454,6 +487,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for the runs (default: a new temp dir)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a DESCRIPTION "
                     "entry for both systems (repeatable), e.g. micro_batch_size=128")
+    ap.add_argument("--systems", default="megapkl,TRL,megapkl DP=2",
+                    help="comma-separated, of megapkl, TRL, 'megapkl DP=2' (default all three)")
     ap.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
     ap.add_argument("--description", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -465,6 +500,10 @@ def main() -> None:
         return trl_worker(d, args.seed, args.updates, Path(args.out))
     if args.seeds < 1 or args.updates <= WARMUP:
         raise SystemExit(f"peer_trl: need --seeds >= 1 and --updates > {WARMUP}")
+    args.systems = [s.strip() for s in args.systems.split(",")]
+    known = ("megapkl", "TRL", "megapkl DP=2")
+    if not args.systems or set(args.systems) - set(known):
+        raise SystemExit(f"peer_trl: --systems {','.join(args.systems)!r}: each one of {known}")
     bench(args)
 
 
