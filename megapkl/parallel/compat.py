@@ -59,7 +59,10 @@ the time). Both give bit-identical results, forward and backward (tests/parallel
    team of that thread's own, and while two teams are alive on a 2-core host every later
    multi-threaded op of the training thread waits for its sleeping worker (GNU OpenMP stops
    spinning when it manages more threads than there are CPUs): a 64x64 matmul took 75 us instead
-   of 11, and the demo's training step 0.082 s instead of 0.05.
+   of 11, and the demo's training step 0.082 s instead of 0.05. For the same reason a synchronous
+   `torch.distributed.all_gather` over a one-rank group is a copy in the calling thread: megatron
+   gathers the optimizer state that way at every checkpoint, and after the first one the run
+   stayed slow.
 """
 
 from __future__ import annotations
@@ -423,6 +426,7 @@ def _patch_one_rank_buffers() -> None:
 
     for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
         setattr(buffers, name, _skip_in_place_on_one_rank(getattr(buffers, name)))
+    torch.distributed.all_gather = _all_gather_here_on_one_rank(torch.distributed.all_gather)
 
 
 def _skip_in_place_on_one_rank(collective: Callable) -> Callable:
@@ -435,4 +439,18 @@ def _skip_in_place_on_one_rank(collective: Callable) -> Callable:
                 and output.data_ptr() == input_.data_ptr() and output.numel() == input_.numel()):
             return None
         return collective(output, input_, *args, group=group, async_op=async_op, **kwargs)
+    return call
+
+
+def _all_gather_here_on_one_rank(all_gather: Callable) -> Callable:
+    @functools.wraps(all_gather)
+    def call(tensor_list: list, tensor: torch.Tensor, group: Any = None,
+             async_op: bool = False) -> Any:
+        # the gather of one rank's tensor is that tensor: copied here, in the calling thread
+        if (not async_op and len(tensor_list) == 1
+                and tensor_list[0].shape == tensor.shape and tensor_list[0].dtype == tensor.dtype
+                and torch.distributed.get_world_size(group) == 1):
+            tensor_list[0].copy_(tensor)
+            return None
+        return all_gather(tensor_list, tensor, group=group, async_op=async_op)
     return call

@@ -392,6 +392,27 @@ def test_buffer_collectives_skipped_on_one_rank(dist_run):
         assert two == ref_ran
 
 
+def gathers(rank, world_size):
+    """Patch 10: torch.distributed.all_gather on a one-rank group (megatron's checkpoint gathers
+    of the optimizer state) is a copy in this thread; two ranks run gloo's."""
+    import torch.distributed as dist
+
+    x = torch.arange(100_000, dtype=torch.float32) + rank
+    out = [torch.empty_like(x) for _ in range(world_size)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_gather(out, x)
+    ran = sorted({e.name for e in prof.events() if "gather" in e.name and "::" in e.name})
+    return [bool(torch.equal(o, torch.arange(100_000, dtype=torch.float32) + r))
+            for r, o in enumerate(out)], ran
+
+
+def test_all_gather_is_a_copy_on_one_rank(dist_run):
+    ((same, ran),) = dist_run(gathers, 1)
+    assert same == [True] and ran == [], ran
+    for same, ran in dist_run(gathers, 2):
+        assert same == [True, True] and ran, ran
+
+
 def moe_gpt(ep, dispatcher):
     """Tiny MoE GPT (SequentialMLP, 4 experts, top-2): needs the te_general_gemm fix on CPU."""
     from megatron.core.models.gpt import GPTModel
