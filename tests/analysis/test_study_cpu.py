@@ -295,6 +295,36 @@ def test_the_reported_numbers_are_recomputed_from_the_committed_summaries(capsys
     assert checked == 20 + 9 + 4 + 10 + 43
 
 
+def _interval(cell: str) -> str:
+    lo, hi = (float(x) for x in cell.strip("[]").split(","))
+    return f"[{lo:.3f}, {hi:.3f}]"
+
+
+def test_the_follow_up_results_are_recomputed_from_the_committed_summaries(capsys):
+    """Every declared test of the follow-up that `analyze` computes from the committed per-seed
+    JSON stands in docs/study-cpu.md's "Follow-up results" with its effect, 95% t interval and
+    Holm p, at the three decimals the doc writes."""
+    docs = ROOT / "docs" / "study-cpu"
+    study.analyze(docs, None)
+    printed = capsys.readouterr().out
+    text = (ROOT / "docs" / "study-cpu.md").read_text()
+    rows = [_cells(ln) for ln in text[text.index("## Follow-up results"):].splitlines()
+            if ln.startswith("| ")]
+    checked, declared = 0, False
+    for ln in printed.splitlines():
+        if ln.startswith("Declared before the runs"):
+            declared = True
+        elif ln.startswith("**Verdict") or ln.startswith("### "):
+            declared = False
+        elif declared and ln.startswith("| ") and " at " in ln:
+            c = _cells(ln)
+            effect, interval, holm = f"{abs(float(c[1])):.3f}", _interval(c[2]), c[5]
+            assert any(any(interval in x for x in r) and any(effect in x for x in r)
+                       and any(x.strip("*") == holm for x in r) for r in rows), ln
+            checked += 1
+    assert checked == 6 + 6 + 1 + 1  # PKL level and degradation, SIS at N = 4, TETPO
+
+
 def test_the_reported_aggregates_are_recomputed_from_the_committed_summaries():
     """The IQM and probability-of-improvement table of docs/study-cpu.md matches the committed JSON."""
     text = (ROOT / "docs" / "study-cpu.md").read_text()
