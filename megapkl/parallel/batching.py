@@ -187,7 +187,6 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
     first_label = torch.tensor(prompt).repeat_interleave(length) - 1  # the first action's j
     labelled = j < length.repeat_interleave(length) - 1          # every position but the last
     action = labelled & (j >= first_label)
-    la_row, la_col = at_row[labelled], at_col[labelled]
     ac_row, ac_col = at_row[action], at_col[action]
 
     tokens = torch.full((b, s), pad_id, dtype=torch.int64)
@@ -201,9 +200,9 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
     first = samples[0]
     fields = {}
     for name, attr in SAMPLE_FIELDS.items():
-        if getattr(first, attr) is None:
-            continue
         ref = getattr(first, attr)
+        if ref is None:
+            continue
         fields[name] = torch.zeros((b, s, *ref.shape[1:]), dtype=ref.dtype)
         fields[name][ac_row, ac_col] = torch.cat([getattr(x, attr).cpu().to(ref.dtype)
                                                   for x in samples])
@@ -213,8 +212,8 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
         # Rows the engine did not report (each sequence's last token, padding) route to experts
         # 0..k-1: their outputs feed no loss term (causal attention keeps them out of earlier tokens).
         routed = torch.arange(k, dtype=torch.int64).expand(b, s, layers, k).clone()
-        routed[la_row, la_col] = torch.cat([x.routed_experts.cpu().to(torch.int64)
-                                            for x in samples])
+        routed[at_row[labelled], at_col[labelled]] = torch.cat(
+            [x.routed_experts.cpu().to(torch.int64) for x in samples])
     m = len(samples)
     pad = max(b - m, 0)   # BSHD padding rows; a THD row holds all m responses
     per_resp = lambda vals, dtype: torch.cat([torch.tensor(vals, dtype=dtype),  # noqa: E731

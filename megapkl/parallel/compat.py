@@ -38,9 +38,10 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
 7. The causal-mask helper of megatron's unfused softmax (also re-run inside backward by activation
    recompute) builds its mask on the CPU directly. Same mask, same device as without recompute.
 
-The last two patches only remove per-call work that computes nothing (the tiny demo model runs 8
+Patches 8 and 9 only remove per-call work that computes nothing (the tiny demo model runs 8
 micro-batches of ~64 tokens per update, where megatron's per-call overhead, not arithmetic, is
-the time). Both give bit-identical results, forward and backward (tests/parallel/test_compat.py):
+the time); 10 moves one-rank collectives out of gloo's threads. All three give bit-identical
+results, forward and backward (tests/parallel/test_compat.py):
 8. megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, the only RoPE without a fused kernel)
    recomputes cos/sin of the same frequency table for q and k of every layer and micro-batch,
    rotates with chunk + neg + cat, and slices/concatenates an empty pass-through part (whose
@@ -124,7 +125,7 @@ def install() -> bool:
         _patch_megatron()
         _patch_rope()
         _patch_tp_regions()
-        _patch_one_rank_buffers()
+        _patch_one_rank_collectives()
         _installed = True
     return True
 
@@ -418,10 +419,10 @@ def _identity_on_one_rank(region: Callable) -> Callable:
     return call
 
 
-# ---------------------------------------------------------------- 10. one-rank buffer collectives
+# ---------------------------------------------------------------- 10. one-rank collectives
 
 
-def _patch_one_rank_buffers() -> None:
+def _patch_one_rank_collectives() -> None:
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):

@@ -79,6 +79,7 @@ THREADS = 2
 WARMUP = 2  # first updates left out of the per-update time (allocator and caches warming up)
 FINAL_WINDOW = 10
 EMA_ALPHA = 0.2
+SYSTEMS = ("megapkl", "TRL", "megapkl DP=2")  # --systems, in the order of the first seed
 
 DESCRIPTION = {
     "task": "next_mod10", "model": "tiny-qwen3", "dtype": "fp32",
@@ -457,9 +458,8 @@ def bench(args) -> None:
     d = described(args.set or [])
     work = Path(args.out or tempfile.mkdtemp(prefix="megapkl_peer_trl_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    runners = {"megapkl": run_megapkl, "TRL": run_trl,
-               "megapkl DP=2": lambda *a: run_megapkl(*a, ranks=2)}
-    systems = [s for s in runners if s in args.systems]
+    runners = dict(zip(SYSTEMS, (run_megapkl, run_trl, lambda *a: run_megapkl(*a, ranks=2))))
+    systems = [s for s in SYSTEMS if s in args.systems]
     results: dict = {name: [] for name in systems}
     for i, seed in enumerate(range(args.seed_base, args.seed_base + args.seeds)):
         order = systems if i % 2 == 0 else systems[::-1]  # alternate who goes first
@@ -487,8 +487,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for the runs (default: a new temp dir)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a DESCRIPTION "
                     "entry for both systems (repeatable), e.g. micro_batch_size=128")
-    ap.add_argument("--systems", default="megapkl,TRL,megapkl DP=2",
-                    help="comma-separated, of megapkl, TRL, 'megapkl DP=2' (default all three)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default all)")
     ap.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
     ap.add_argument("--description", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -501,9 +501,8 @@ def main() -> None:
     if args.seeds < 1 or args.updates <= WARMUP:
         raise SystemExit(f"peer_trl: need --seeds >= 1 and --updates > {WARMUP}")
     args.systems = [s.strip() for s in args.systems.split(",")]
-    known = ("megapkl", "TRL", "megapkl DP=2")
-    if not args.systems or set(args.systems) - set(known):
-        raise SystemExit(f"peer_trl: --systems {','.join(args.systems)!r}: each one of {known}")
+    if not args.systems or set(args.systems) - set(SYSTEMS):
+        raise SystemExit(f"peer_trl: --systems {','.join(args.systems)!r}: each one of {SYSTEMS}")
     bench(args)
 
 
