@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from megapkl.rollout import fp8 as FP8
+from megapkl.rollout import weight_write as WW
 from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
                                     WeightUpdateError, check_generate_args)
 from megapkl.rollout.sample import PromptItem, Sample
@@ -213,6 +214,8 @@ class EmbeddedEngine(RolloutEngine):
                                 block=self.fp8_block)
             self._act_hooks = self._quantize_activations()
         self._version: Optional[int] = None
+        # After a streamed write failed half-way: (parameters written since, what failed).
+        self._torn: Optional[tuple[set[int], str]] = None
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._recorder = self._make_recorder()
 
@@ -296,7 +299,7 @@ class EmbeddedEngine(RolloutEngine):
     def health(self) -> dict[str, Any]:
         self._check_alive()
         return {"ok": True, "engine": "embedded", "version": self._version,
-                "weights_loaded": self._version is not None, "device": str(self.device),
+                "weights_loaded": self._version is not None and self._torn is None, "device": str(self.device),
                 "model_type": getattr(self.config, "model_type", None), "moe": self.is_moe}
 
     def close(self) -> None:
@@ -318,26 +321,46 @@ class EmbeddedEngine(RolloutEngine):
         if self._version is None:
             raise RolloutEngineError("EmbeddedEngine holds no weights yet: push them with "
                                      "update_weights(named_tensors, version) first")
+        if self._torn is not None:
+            raise RolloutEngineError(f"EmbeddedEngine's weights are torn: an update failed after "
+                                     f"writing part of them ({self._torn[1]}); push every "
+                                     f"parameter again")
 
     # ---- interface: weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *,
-                       copy: bool = True) -> None:
-        """Stage every incoming tensor (validated, copied to the engine's device and dtype), then
-        commit all at once, so a bad stream leaves the previous weights and version untouched.
-        The copy matters when the trainer keeps updating its own tensors after the push; a caller
-        handing over tensors nobody else writes (a server's decoded request) passes copy=False and
-        they are staged as they are when device and dtype already match."""
+                       copy: bool = True, streamed: bool = False) -> None:
+        """Check every incoming tensor (a parameter's name and shape, floating point, finite) and
+        write it into the engine's weights (megapkl.rollout.weight_write). Staged by default:
+        all are checked (and copied to the engine's device and dtype) before any is written, so
+        a bad stream leaves the previous weights and version untouched. The copy matters when the
+        trainer keeps updating its own tensors after the push; a caller handing over tensors
+        nobody else writes passes copy=False and they are staged as they are when device and
+        dtype already match. `streamed` checks and writes each tensor a piece at a time (one
+        read of the bytes instead of two; a server's decoded request): a bad value found after a
+        piece was written leaves the weights torn, and the engine refuses to generate until
+        every parameter has been written again."""
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
-        staged: dict[int, tuple[nn.Parameter, Tensor]] = {}
         if self.fp8:
             named_tensors = FP8.fake_quant_fp8(named_tensors, self.dtype, self.fp8_block)
         else:  # an FP8 stream (weight + weight_scale_inv) is dequantized, plain tensors pass
             named_tensors = FP8.dequantize_stream(named_tensors, self.dtype)
+        if streamed and self._version is not None:
+            written = self._write_streamed(named_tensors)
+        else:  # the first push is staged: it must cover every parameter before it counts
+            written = self._write_staged(named_tensors, copy)
+        if self._torn is not None:
+            self._torn[0].update(written)
+            if len(self._torn[0]) == len({id(p) for p in self._params.values()}):
+                self._torn = None
+        self._version = version
+
+    def _write_staged(self, named_tensors: Iterable[tuple[str, Tensor]], copy: bool) -> set[int]:
+        staged: dict[int, tuple[nn.Parameter, Tensor]] = {}
         for name, tensor in named_tensors:
             param = self._lookup(name)
-            staged[id(param)] = (param, self._checked_copy(name, tensor, param, copy))
+            staged[id(param)] = (param, WW.staged_value(name, tensor, param, copy))
         if not staged:
             raise WeightUpdateError("update_weights received no tensors")
         if self._version is None:
@@ -345,7 +368,23 @@ class EmbeddedEngine(RolloutEngine):
         with torch.no_grad():
             for param, value in staged.values():
                 param.copy_(value)
-        self._version = version
+        return set(staged)
+
+    def _write_streamed(self, named_tensors: Iterable[tuple[str, Tensor]]) -> set[int]:
+        written: set[int] = set()
+        try:
+            with WW.one_thread():
+                for name, tensor in named_tensors:
+                    param = self._lookup(name)
+                    WW.write_streamed(name, tensor, param)
+                    written.add(id(param))
+        except Exception as exc:
+            if written or isinstance(exc, WW.TornWrite):
+                self._torn = (set(), str(exc))
+            raise
+        if not written:
+            raise WeightUpdateError("update_weights received no tensors")
+        return written
 
     def _lookup(self, name: str) -> nn.Parameter:
         param = self._params.get(name)
@@ -355,24 +394,6 @@ class EmbeddedEngine(RolloutEngine):
             raise WeightUpdateError(f"unknown weight '{name}': not a parameter of the engine's "
                                     f"{type(self.model).__name__}{hint}")
         return param
-
-    @staticmethod
-    def _checked_copy(name: str, tensor: Tensor, param: nn.Parameter, copy: bool = True) -> Tensor:
-        if not isinstance(tensor, Tensor):
-            raise WeightUpdateError(f"weight '{name}': expected a torch.Tensor, got "
-                                    f"{type(tensor).__name__}")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise WeightUpdateError(f"weight '{name}': shape {list(tensor.shape)} does not match the "
-                                    f"engine's {list(param.shape)}")
-        if not tensor.is_floating_point():
-            raise WeightUpdateError(f"weight '{name}': expected a floating-point tensor, got "
-                                    f"{tensor.dtype}")
-        value = tensor.detach().to(device=param.device, dtype=param.dtype, copy=copy)
-        # min and max propagate NaN and show +-Inf: one vectorized read, where isfinite().all()
-        # writes a mask first (~20x slower on CPU, the dominant cost of a served weight update).
-        if value.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(value))).all()):
-            raise WeightUpdateError(f"weight '{name}': contains NaN or Inf")
-        return value
 
     def _check_complete(self, staged: dict[int, tuple[nn.Parameter, Tensor]]) -> None:
         # Keyed by parameter identity, so a tied lm_head counts as covered by embed_tokens.

@@ -191,6 +191,24 @@ class VersionReader:
                                     f"tensor '{name}' ({got} of {size} bytes)")
         return out
 
+    def span(self, first: int, count: int) -> list[int]:
+        """File offsets of tensors first..first+count-1, which lie back to back in the file."""
+        return [start for _, _, _, start, _ in self._entries[first:first + count]]
+
+    def read_span(self, first: int, count: int, out: Tensor) -> None:
+        """The bytes of tensors first..first+count-1 in one read into `out` (contiguous bytes
+        of exactly their total size, anywhere in memory)."""
+        entries = self._entries[first:first + count]
+        start, size = entries[0][3], sum(e[4] for e in entries)
+        if out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous():
+            raise ValueError(f"tensors {first}..{first + count - 1} are {size} bytes; got a "
+                             f"buffer of {out.numel()} {out.dtype}")
+        self._f.seek(start)
+        got = self._f.readinto(memoryview(out.numpy())) if size else 0
+        if got != size:
+            raise VersionStoreError(f"policy version {self.version}: {self.path} is corrupt at "
+                                    f"tensor '{entries[0][0]}' and after ({got} of {size} bytes)")
+
     def close(self) -> None:
         self._f.close()
 

@@ -328,8 +328,11 @@ class ServeState:
             named = FP8.check_fp8_stream(named, shapes, self.engine.fp8_block)
         with self.scheduler, self._weights_context():
             try:
-                # Decoded payloads, broadcast buffers and disk reads belong to this request alone.
-                self.engine.update_weights(named, version=self._engine_version + 1, copy=False)
+                # Decoded payloads, broadcast buffers and disk reads belong to this request alone,
+                # and a push is several requests anyway: each tensor is checked and written in
+                # one read of its bytes (a bad value after a written piece tears the weights).
+                self.engine.update_weights(named, version=self._engine_version + 1,
+                                           streamed=True)
             except (WeightUpdateError, FP8.FP8Error) as exc:
                 raise RequestError(str(exc)) from None
             self._engine_version += 1

@@ -217,6 +217,44 @@ def test_the_tensor_sync_reads_a_stored_version_into_two_kept_segments(tmp_path)
     assert not any(_in_shm(n) for n in names)
 
 
+def test_a_stored_bucket_is_read_in_one_call_aligned_as_in_its_file(tmp_path, monkeypatch):
+    """Each bucket of a stored version is one read into its slot, every tensor placed at its
+    file offset modulo 64 (the kernel copies a read aligned so at ~1.7x the speed); a file whose
+    tensors are not at multiples of their element size is read tensor by tensor instead."""
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
+    from megapkl.rollout.version_store import VersionReader
+
+    calls = {"span": 0, "one": 0}
+    for name, key in (("read_span", "span"), ("read_into", "one")):
+        def counted(self, *args, _f=getattr(VersionReader, name), _k=key):
+            calls[_k] += 1
+            return _f(self, *args)
+        monkeypatch.setattr(VersionReader, name, counted)
+    g = torch.Generator().manual_seed(0)
+    aligned = [("a", torch.randn(40, 8, generator=g).to(torch.bfloat16)),
+               ("odd", torch.randn(3, generator=g)),  # 12 bytes: what follows is off by 12
+               ("b", torch.randn(40, 8, generator=g).to(torch.bfloat16))]
+    unaligned = aligned + [("c", torch.arange(5, dtype=torch.uint8)),  # 5 bytes: ...
+                           ("d", torch.randn(4, generator=g).to(torch.bfloat16))]  # odd offset
+    for k, tensors in enumerate((aligned, unaligned)):
+        source = _stored(tmp_path / str(k), tensors)
+        with source.open() as reader:
+            offsets = {n: reader.span(i, 1)[0] for i, (n, _, _) in enumerate(reader.layout)}
+        sync = WeightSync(SyncSettings(mode="tensor", bucket_bytes=1 << 20))
+        calls.update(span=0, one=0)
+        got = [(n, t) for bucket in sync._tensor_buckets(source, sync._buffers)
+               for n, t in bucket]
+        assert [n for n, _ in got] == [n for n, _ in tensors]
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, tensors))
+        if tensors is aligned:
+            assert calls == {"span": 1, "one": 0}
+            assert all(t.data_ptr() % 64 == offsets[n] % 64 for n, t in got)
+            assert offsets["b"] % 64 != 0  # not trivially aligned
+        else:
+            assert calls == {"span": 0, "one": len(tensors)}
+        sync.close()
+
+
 def test_a_truncated_stored_version_fails_the_tensor_sync_naming_its_file(tmp_path):
     from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
     from megapkl.rollout.version_store import VersionStoreError

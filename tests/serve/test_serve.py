@@ -496,3 +496,37 @@ def test_abort_request_by_rid(dense):
     thread.join(60)
     meta = result["out"][1]["meta_info"]
     assert meta["id"] == "victim" and meta["finish_reason"]["type"] == "abort"
+
+
+def test_a_bucket_that_fails_half_written_tears_the_served_weights(dense_model, monkeypatch):
+    """megapkl serve checks and writes each tensor in one read (streamed): a NaN after written
+    pieces is the request's 400, and the server then refuses to generate (naming the weight)
+    until a push has written every parameter again."""
+    from megapkl.rollout import weight_write
+
+    monkeypatch.setattr(weight_write, "PIECE_BYTES", 256)
+    served = Served(DENSE, dense_model)
+    try:
+        named = _new_weights(dense_model, 0.03)
+        name, bad = next((n, t.clone()) for n, t in named if t.numel() > 64)
+        bad.view(-1)[-1] = float("nan")
+        assert served.post("/begin_weight_update")[0] == 200
+        status, out = served.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [_tensor_payload([(name, bad)], False)]})
+        assert status == 400 and f"'{name}': contains NaN or Inf" in out["message"], out
+        assert served.post("/end_weight_update")[0] == 200
+        status, gen = served.post("/generate", {"input_ids": [1, 2],
+                                                "sampling_params": {"max_new_tokens": 1}})
+        assert status != 200 and "torn" in str(gen) and name in str(gen), (status, gen)
+        assert served.post("/begin_weight_update")[0] == 200
+        status, out = served.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [_tensor_payload(named, False)],
+            "weight_version": "whole"})
+        assert served.post("/end_weight_update")[0] == 200
+        assert status == 200, out
+        _assert_holds(served, named)
+        status, gen = served.post("/generate", {"input_ids": [1, 2],
+                                                "sampling_params": {"max_new_tokens": 1}})
+        assert status == 200 and gen["meta_info"]["weight_version"] == "whole", gen
+    finally:
+        served.close()

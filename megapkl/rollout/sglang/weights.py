@@ -395,8 +395,16 @@ class WeightSync:
                     for name, dtype, shape in reader.layout]
             index = {name: i for i, (name, _) in enumerate(meta)}
             for k, bucket in enumerate(buckets(meta, self.s.bucket_bytes)):
-                views = buffers.views(k, [(t.dtype, t.shape) for _, t in bucket])
-                read = [(n, reader.read_into(index[n], v)) for (n, _), v in zip(bucket, views)]
+                first, layout = index[bucket[0][0]], [(t.dtype, t.shape) for _, t in bucket]
+                mirrored = buffers.file_views(k, layout, reader.span(first, len(bucket)))
+                if mirrored is not None:  # the bucket's bytes in one read, aligned as in the file
+                    reader.read_span(first, len(bucket), mirrored[0])
+                    views = mirrored[1]
+                else:
+                    views = buffers.views(k, layout)
+                    for (n, _), v in zip(bucket, views):
+                        reader.read_into(index[n], v)
+                read = [(n, v) for (n, _), v in zip(bucket, views)]
                 yield place(SharedBuffers(), 0, self.transform(read), views[0].untyped_storage())
 
     # ------------------------------------------------------------------ distributed
