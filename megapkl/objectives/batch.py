@@ -77,19 +77,10 @@ class TokenBatch:
             raise ValueError(f"TokenBatch.response_uid: expected shape [{m}], got {list(self.response_uid.shape)}")
         if n == 0:
             raise ValueError("TokenBatch: no action tokens")
-        ridx = self.response_index
-        lo, hi = torch.aminmax(ridx.diff()) if n > 1 else (ridx.new_zeros(()), ridx.new_zeros(()))
         if full_lengths is not None:
             self._validate_shard(full_lengths)
-        elif int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or int(lo) < 0 or int(hi) > 1:
-            raise ValueError("TokenBatch.response_index: tokens must be packed in response order, "
-                             "responses 0..M-1 each with at least one token")
         else:
-            lengths = self.lengths()
-            starts = torch.cumsum(lengths, 0) - lengths
-            expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
-            if not torch.equal(self.positions.to(torch.int64), expect):
-                raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
+            self._validate_whole()
         if need_entropy and self.entropy is None:
             raise ValueError("TokenBatch.entropy: required when entropy_coef != 0")
         if need_init and self.logp_init is None:
@@ -104,16 +95,35 @@ class TokenBatch:
                     raise ValueError(f"TokenBatch.{name}: expected shape [{n}, {k}], "
                                      f"got {list(getattr(self, name).shape)}")
 
+    def _validate_whole(self) -> None:
+        """Layout of whole responses: 0..M-1 in order, each with positions 1..T_m."""
+        ridx, n, m = self.response_index, self.num_tokens, self.num_responses
+        lo, hi = torch.aminmax(ridx.diff()) if n > 1 else (0, 0)
+        if int(ridx[0]) != 0 or int(ridx[-1]) != m - 1 or int(lo) < 0 or int(hi) > 1:
+            raise ValueError("TokenBatch.response_index: tokens must be packed in response order, "
+                             "responses 0..M-1 each with at least one token")
+        lengths = self.lengths()
+        starts = torch.cumsum(lengths, 0) - lengths
+        expect = torch.arange(1, n + 1, device=ridx.device) - starts.index_select(0, ridx)
+        if not torch.equal(self.positions.to(torch.int64), expect):
+            raise ValueError("TokenBatch.positions: must run 1..T_m within each response")
+
     def _validate_shard(self, full_lengths: Tensor) -> None:
-        """Layout of a shard: responses in order, increasing positions within 1..T_m."""
+        """Layout of a shard: responses in order, increasing positions within 1..T_m. Checked
+        with one host read (a loss call per micro-batch runs it)."""
         ridx, pos, m = self.response_index, self.positions.to(torch.int64), self.num_responses
         if tuple(full_lengths.shape) != (m,):
             raise ValueError(f"LossContext.response_lengths: expected shape [{m}], got {list(full_lengths.shape)}")
-        if bool((ridx.diff() < 0).any()) or int(ridx.min()) < 0 or int(ridx.max()) >= m:
+        if m == 0:  # tokens of no response
             raise ValueError("TokenBatch.response_index: must be non-decreasing within 0..M-1")
-        same = ridx[1:] == ridx[:-1]
-        if bool((pos < 1).any()) or bool((pos > full_lengths.index_select(0, ridx)).any()) \
-                or bool((pos.diff()[same] <= 0).any()):
+        step = ridx.diff()
+        bad_order = (step < 0).any() | (ridx.min() < 0) | (ridx.max() >= m)
+        top = full_lengths.index_select(0, ridx.clamp(0, m - 1))
+        bad_pos = (pos < 1).any() | (pos > top).any() | ((pos.diff() <= 0) & (step == 0)).any()
+        order, positions = torch.stack([bad_order, bad_pos]).tolist()
+        if order:
+            raise ValueError("TokenBatch.response_index: must be non-decreasing within 0..M-1")
+        if positions:
             raise ValueError("TokenBatch.positions: must increase within each response and lie in 1..T_m")
 
 

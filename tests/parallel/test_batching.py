@@ -37,6 +37,34 @@ def test_pack_shifts_labels_on_the_full_sequence_and_aligns_fields():
     assert torch.equal(B.response_lengths(mb), torch.tensor([2, 9, 1, 13, 6]))
 
 
+def test_a_shard_with_a_broken_layout_is_refused_naming_the_field():
+    """The shard check (one host read) and the whole-response check name what is wrong."""
+    mb = B.pack(responses(), multiple=4)
+    tb = B.token_batch(mb, torch.zeros(mb.num_action_tokens))
+    full = B.response_lengths(mb)
+    tb.validate(full_lengths=full)
+    tb.validate()
+    ridx, pos = tb.response_index.clone(), tb.positions.clone()
+    cases = [  # (field, value, what the shard check names, what the whole check names)
+        ("response_index", ridx.flip(0), "response_index", "response_index"),
+        ("response_index", ridx + 1, "response_index", "response_index"),
+        ("response_index", ridx - 1, "response_index", "response_index"),
+        ("response_index", ridx.clamp(max=3), "positions", "response_index"),  # 4 joins 3
+        ("positions", pos.flip(0), "positions", "positions"),
+        ("positions", pos.clamp(max=1), "positions", "positions"),
+        ("positions", pos + 1, "positions", "positions"),
+        ("positions", pos - 1, "positions", "positions"),
+    ]
+    for field, value, shard, whole in cases:
+        bad = dataclasses.replace(tb, **{field: value})
+        with pytest.raises(ValueError, match=f"TokenBatch.{shard}"):
+            bad.validate(full_lengths=full)
+        with pytest.raises(ValueError, match=f"TokenBatch.{whole}"):
+            bad.validate()
+    with pytest.raises(ValueError, match="LossContext.response_lengths"):
+        tb.validate(full_lengths=full[:-1])
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_cp_shards_partition_the_action_tokens_in_response_order(cp):
     rs = responses()

@@ -1,0 +1,49 @@
+"""The train loop's updates run with the setup's objects frozen and a large young generation
+(`loop.settled_collector`), and the collector's settings come back after the run."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from megapkl.config import load_config
+from megapkl.train import loop
+
+SMALL = ["logging.tensorboard=false", "logging.progress_bar=false", "parallel.data=1",
+         "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
+         "rollout.max_response_len=2", "parallel.micro_batch_size=4", "train.steps=2",
+         "checkpoint.every=0", "eval.every=0"]
+
+
+def test_settled_collector_freezes_and_restores():
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    assert frozen == 0  # nothing in this process froze its objects
+    with loop.settled_collector(young=12_345):
+        assert gc.get_threshold() == (12_345, *before[1:]) and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    with pytest.raises(KeyError), loop.settled_collector():
+        raise KeyError
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        held = gc.get_freeze_count()
+        with loop.settled_collector():
+            pass
+        assert gc.get_freeze_count() >= held > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_a_run_trains_under_the_settled_collector(tmp_path, monkeypatch):
+    seen = []
+    train = loop.Trainer.run
+
+    def observed(self):
+        seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0))
+        return train(self)
+
+    monkeypatch.setattr(loop.Trainer, "run", observed)
+    before = gc.get_threshold()
+    loop.run(load_config("configs/demo/cpu_demo.yaml", [*SMALL, f"run_dir={tmp_path}"]))
+    assert seen == [(50_000, True)]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
