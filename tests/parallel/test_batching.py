@@ -37,6 +37,43 @@ def test_pack_shifts_labels_on_the_full_sequence_and_aligns_fields():
     assert torch.equal(B.response_lengths(mb), torch.tensor([2, 9, 1, 13, 6]))
 
 
+def test_packing_groups_from_one_fill_gives_each_group_s_own_pack():
+    """`pack_groups` (one fill of every sample, then each micro-batch's rows cut to its length)
+    gives the tensors `pack` gives each group alone: values, dtypes, shapes, contiguous."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(60):
+        g = torch.Generator().manual_seed(case)
+        k, routed, n = rng.choice([0, 3]), rng.random() < 0.3, rng.randint(1, 12)
+        samples = []
+        for uid in range(n):
+            p, t = rng.randint(1, 9), rng.randint(1, 12)
+            samples.append(Sample(
+                version=0, prompt_ids=torch.randint(1, 50, (p,), generator=g),
+                response_ids=torch.randint(1, 50, (t,), generator=g),
+                logp_behav=-torch.rand(t, generator=g), advantage=uid - 2.0, group_id=uid // 2,
+                uid=100 + uid, logp_prox=-torch.rand(t, generator=g),
+                topk_ids=torch.randint(0, 50, (t, k), generator=g) if k else None,
+                topk_logp=-torch.rand(t, k, generator=g) if k else None,
+                routed_experts=torch.randint(0, 8, (p + t - 1, 2, 2), generator=g) if routed
+                else None))
+        groups, multiple, pad = B.split_responses(samples, rng.randint(1, n)), rng.choice([1, 4, 6]), 3
+        for one, alone in zip(B.pack_groups(groups, multiple, pad_id=pad),
+                              [B.pack(x, multiple, pad_id=pad) for x in groups], strict=True):
+            for f in dataclasses.fields(alone):
+                a, b = getattr(alone, f.name), getattr(one, f.name)
+                pairs = [(f.name, a, b)] if not isinstance(a, dict) else \
+                    [(key, a[key], b[key]) for key in a] if a.keys() == b.keys() else [(f.name, 0, 1)]
+                for name, x, y in pairs:
+                    if isinstance(x, torch.Tensor):
+                        assert x.dtype == y.dtype and torch.equal(x, y) and y.is_contiguous(), name
+                    else:
+                        assert x == y, name
+    with pytest.raises(ValueError, match="no samples"):
+        B.pack_groups([samples, []], 4)
+
+
 def test_a_shard_with_a_broken_layout_is_refused_naming_the_field():
     """The shard check (one host read) and the whole-response check name what is wrong."""
     mb = B.pack(responses(), multiple=4)
