@@ -300,9 +300,10 @@ def _patch_placement() -> None:
 
     @functools.wraps(to)
     def to_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if args:
+        # most calls are .to(dtype) (hundreds per update of the tiny model): they go straight on
+        if args and type(args[0]) is not torch.dtype:
             args = (_cpu_if_cuda(args[0]),) + args[1:]
-        if "device" in kwargs:
+        if kwargs and "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
         return to(self, *args, **kwargs)
 

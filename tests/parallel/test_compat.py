@@ -120,6 +120,9 @@ def test_cuda_calls_map_to_cpu(dist_run):
         assert x.cuda() is x and x.pin_memory() is x
         assert x.to("cuda").device.type == "cpu" and x.to(0).device.type == "cpu"
         assert x.to(torch.float64).dtype == torch.float64  # dtype conversions untouched
+        for y in (x.to(device="cuda", dtype=torch.float64), x.to("cuda:0", torch.float64),
+                  x.to(torch.device("cuda"), torch.float64, copy=True)):
+            assert y.device.type == "cpu" and y.dtype == torch.float64
         assert torch.ones(2).to(torch.cuda.current_device()).device.type == "cpu"
         assert x.type() == "torch.cuda.FloatTensor"  # what megatron's optimizer checks
         assert x.type("torch.cuda.DoubleTensor").dtype == torch.float64
