@@ -34,7 +34,7 @@ def test_settled_collector_freezes_and_restores():
         gc.unfreeze()
 
 
-def test_a_run_trains_under_the_settled_collector(tmp_path, monkeypatch):
+def _observed_run(rank, world_size, cfg):
     seen = []
     train = loop.Trainer.run
 
@@ -42,8 +42,13 @@ def test_a_run_trains_under_the_settled_collector(tmp_path, monkeypatch):
         seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0))
         return train(self)
 
-    monkeypatch.setattr(loop.Trainer, "run", observed)
+    loop.Trainer.run = observed
     before = gc.get_threshold()
-    loop.run(load_config("configs/demo/cpu_demo.yaml", [*SMALL, f"run_dir={tmp_path}"]))
-    assert seen == [(50_000, True)]
-    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    loop.run(cfg)
+    return seen, gc.get_threshold() == before
+
+
+def test_a_run_trains_under_the_settled_collector(dist_run, tmp_path):
+    cfg = load_config("configs/demo/cpu_demo.yaml", [*SMALL, f"run_dir={tmp_path}"])
+    (result,) = dist_run(_observed_run, 1, cfg, timeout=300)
+    assert result == ([(50_000, True)], True)
