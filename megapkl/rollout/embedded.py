@@ -299,7 +299,8 @@ class EmbeddedEngine(RolloutEngine):
     def health(self) -> dict[str, Any]:
         self._check_alive()
         return {"ok": True, "engine": "embedded", "version": self._version,
-                "weights_loaded": self._version is not None and self._torn is None, "device": str(self.device),
+                "weights_loaded": self._version is not None and self._torn is None,
+                "device": str(self.device),
                 "model_type": getattr(self.config, "model_type", None), "moe": self.is_moe}
 
     def close(self) -> None:
@@ -378,9 +379,10 @@ class EmbeddedEngine(RolloutEngine):
                     param = self._lookup(name)
                     WW.write_streamed(name, tensor, param)
                     written.add(id(param))
-        except Exception as exc:
-            if written or isinstance(exc, WW.TornWrite):
-                self._torn = (set(), str(exc))
+        except BaseException as exc:  # only a refusal before the first piece leaves them whole
+            refused = isinstance(exc, (WeightUpdateError, FP8.FP8Error))
+            if written or not refused or isinstance(exc, WW.TornWrite):
+                self._torn = (set(), str(exc) or type(exc).__name__)
             raise
         if not written:
             raise WeightUpdateError("update_weights received no tensors")

@@ -191,7 +191,7 @@ class VersionReader:
                                     f"tensor '{name}' ({got} of {size} bytes)")
         return out
 
-    def span(self, first: int, count: int) -> list[int]:
+    def offsets(self, first: int, count: int) -> list[int]:
         """File offsets of tensors first..first+count-1, which lie back to back in the file."""
         return [start for _, _, _, start, _ in self._entries[first:first + count]]
 

@@ -58,13 +58,17 @@ def test_packing_groups_from_one_fill_gives_each_group_s_own_pack():
                 topk_logp=-torch.rand(t, k, generator=g) if k else None,
                 routed_experts=torch.randint(0, 8, (p + t - 1, 2, 2), generator=g) if routed
                 else None))
-        groups, multiple, pad = B.split_responses(samples, rng.randint(1, n)), rng.choice([1, 4, 6]), 3
+        groups = B.split_responses(samples, rng.randint(1, n))
+        multiple, pad = rng.choice([1, 4, 6]), 3
         for one, alone in zip(B.pack_groups(groups, multiple, pad_id=pad),
                               [B.pack(x, multiple, pad_id=pad) for x in groups], strict=True):
             for f in dataclasses.fields(alone):
                 a, b = getattr(alone, f.name), getattr(one, f.name)
-                pairs = [(f.name, a, b)] if not isinstance(a, dict) else \
-                    [(key, a[key], b[key]) for key in a] if a.keys() == b.keys() else [(f.name, 0, 1)]
+                if not isinstance(a, dict):
+                    pairs = [(f.name, a, b)]
+                else:
+                    assert a.keys() == b.keys(), f.name
+                    pairs = [(key, a[key], b[key]) for key in a]
                 for name, x, y in pairs:
                     if isinstance(x, torch.Tensor):
                         assert x.dtype == y.dtype and torch.equal(x, y) and y.is_contiguous(), name

@@ -239,7 +239,7 @@ def test_a_stored_bucket_is_read_in_one_call_aligned_as_in_its_file(tmp_path, mo
     for k, tensors in enumerate((aligned, unaligned)):
         source = _stored(tmp_path / str(k), tensors)
         with source.open() as reader:
-            offsets = {n: reader.span(i, 1)[0] for i, (n, _, _) in enumerate(reader.layout)}
+            offsets = {n: reader.offsets(i, 1)[0] for i, (n, _, _) in enumerate(reader.layout)}
         sync = WeightSync(SyncSettings(mode="tensor", bucket_bytes=1 << 20))
         calls.update(span=0, one=0)
         got = [(n, t) for bucket in sync._tensor_buckets(source, sync._buffers)

@@ -85,6 +85,28 @@ def test_a_bad_later_piece_tears_the_weights_until_all_are_written(dense_model, 
     assert engine.generate(PROMPT, 1, ONE)[0].version == 3
 
 
+def test_anything_raised_between_written_pieces_tears_them(dense_model, small_pieces,
+                                                          monkeypatch):
+    """Not only a bad value: an interrupt or an error after some pieces were written leaves the
+    weights torn as well."""
+    engine = EmbeddedEngine(DENSE)
+    engine.update_weights(checkpoint_tensors(dense_model), version=0)
+    calls, finite = [0], WW.finite
+
+    def interrupted(value):
+        calls[0] += 1
+        if calls[0] == 3:  # the first tensor's third piece: two are written
+            raise KeyboardInterrupt
+        return finite(value)
+
+    monkeypatch.setattr(WW, "finite", interrupted)
+    named = [(n, t) for n, t in _shifted(dense_model, 0.5) if t.numel() * 4 > 2 * WW.PIECE_BYTES]
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(named, version=1, streamed=True)
+    with pytest.raises(RolloutEngineError, match="torn.*KeyboardInterrupt"):
+        engine.generate(PROMPT, 1, ONE)
+
+
 def test_finite_reads_past_an_overflowing_sum():
     assert WW.finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the values are finite
     assert WW.finite(torch.empty(0))

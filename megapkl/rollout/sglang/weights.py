@@ -396,7 +396,7 @@ class WeightSync:
             index = {name: i for i, (name, _) in enumerate(meta)}
             for k, bucket in enumerate(buckets(meta, self.s.bucket_bytes)):
                 first, layout = index[bucket[0][0]], [(t.dtype, t.shape) for _, t in bucket]
-                mirrored = buffers.file_views(k, layout, reader.span(first, len(bucket)))
+                mirrored = buffers.file_views(k, layout, reader.offsets(first, len(bucket)))
                 if mirrored is not None:  # the bucket's bytes in one read, aligned as in the file
                     reader.read_span(first, len(bucket), mirrored[0])
                     views = mirrored[1]
