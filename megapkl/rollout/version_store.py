@@ -178,17 +178,11 @@ class VersionReader:
         self.layout = [(name, dtype, shape) for name, dtype, shape, _, _ in entries]
 
     def read_into(self, i: int, out: Tensor) -> Tensor:
-        name, dtype, shape, start, size = self._entries[i]
+        name, dtype, shape, start, _ = self._entries[i]
         if out.dtype != dtype or list(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"tensor '{name}' is {dtype} {shape}; got a buffer of {out.dtype} "
                              f"{list(out.shape)}")
-        got = 0
-        if size:
-            self._f.seek(start)
-            got = self._f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-        if got != size:
-            raise VersionStoreError(f"policy version {self.version}: {self.path} is corrupt at "
-                                    f"tensor '{name}' ({got} of {size} bytes)")
+        self._read(start, out.reshape(-1).view(torch.uint8), f"tensor '{name}'")
         return out
 
     def offsets(self, first: int, count: int) -> list[int]:
@@ -203,11 +197,18 @@ class VersionReader:
         if out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous():
             raise ValueError(f"tensors {first}..{first + count - 1} are {size} bytes; got a "
                              f"buffer of {out.numel()} {out.dtype}")
-        self._f.seek(start)
-        got = self._f.readinto(memoryview(out.numpy())) if size else 0
+        self._read(start, out, f"tensor '{entries[0][0]}' and after")
+
+    def _read(self, start: int, out: Tensor, what: str) -> None:
+        """`out.numel()` bytes from file offset `start` into the contiguous uint8 `out`;
+        VersionStoreError naming `what` on a short read."""
+        size, got = out.numel(), 0
+        if size:
+            self._f.seek(start)
+            got = self._f.readinto(memoryview(out.numpy()))
         if got != size:
             raise VersionStoreError(f"policy version {self.version}: {self.path} is corrupt at "
-                                    f"tensor '{entries[0][0]}' and after ({got} of {size} bytes)")
+                                    f"{what} ({got} of {size} bytes)")
 
     def close(self) -> None:
         self._f.close()

@@ -59,7 +59,11 @@ def staged_value(name: str, tensor: Tensor, param: nn.Parameter, copy: bool = Tr
     """`tensor` checked whole, on the parameter's device and dtype (a copy unless `copy` is False
     and nothing needs converting), ready to be written."""
     check_meta(name, tensor, param)
-    value = tensor.detach().to(device=param.device, dtype=param.dtype, copy=copy)
+    return _finite_value(name, tensor.detach(), param, copy)
+
+
+def _finite_value(name: str, tensor: Tensor, param: nn.Parameter, copy: bool) -> Tensor:
+    value = tensor.to(device=param.device, dtype=param.dtype, copy=copy)
     if not finite(value):
         raise WeightUpdateError(f"weight '{name}': contains NaN or Inf")
     return value
@@ -72,7 +76,7 @@ def write_streamed(name: str, tensor: Tensor, param: nn.Parameter) -> None:
     check_meta(name, tensor, param)
     src = tensor.detach()
     if param.device.type != "cpu" or src.device != param.device or not param.is_contiguous():
-        value = staged_value(name, src, param, copy=False)
+        value = _finite_value(name, src, param, copy=False)
         with torch.no_grad():
             param.copy_(value)
         return

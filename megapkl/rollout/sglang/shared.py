@@ -64,8 +64,7 @@ class SharedBuffers:
         storage = self._slot(k % self.SLOTS, sum(sizes))
         out, offset = [], 0
         for (dtype, shape), size in zip(layout, sizes):
-            out.append(torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize,
-                                                         tuple(shape)))
+            out.append(_view(storage, offset, dtype, shape))
             offset += size
         return out
 
@@ -78,15 +77,12 @@ class SharedBuffers:
         modulo 64 bytes (measured: 256 MiB in 19 ms against 32)."""
         if any(off % dtype.itemsize for (dtype, _), off in zip(layout, offsets)):
             return None
-        phase = offsets[0] % self.ALIGN
-        ends = [off + torch.Size(shape).numel() * dtype.itemsize
-                for (dtype, shape), off in zip(layout, offsets)]
-        storage = self._slot(k % self.SLOTS, phase + ends[-1] - offsets[0])
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, phase, (ends[-1] - offsets[0],))
-        views = [torch.empty(0, dtype=dtype).set_(
-            storage, (phase + off - offsets[0]) // dtype.itemsize, tuple(shape))
-            for (dtype, shape), off in zip(layout, offsets)]
-        return raw, views
+        phase, (last_dtype, last_shape) = offsets[0] % self.ALIGN, layout[-1]
+        span = offsets[-1] - offsets[0] + torch.Size(last_shape).numel() * last_dtype.itemsize
+        storage = self._slot(k % self.SLOTS, phase + span)
+        return (_view(storage, phase, torch.uint8, (span,)),
+                [_view(storage, phase + off - offsets[0], dtype, shape)
+                 for (dtype, shape), off in zip(layout, offsets)])
 
     def _slot(self, i: int, nbytes: int) -> torch.UntypedStorage:
         kept = self._slots[i]
@@ -114,6 +110,13 @@ class SharedBuffers:
 
     def _path(self, storage: torch.UntypedStorage) -> Path:
         return self.SHM_DIR / storage._share_filename_cpu_()[1].decode().lstrip("/")
+
+
+def _view(storage: torch.UntypedStorage, byte_offset: int, dtype: torch.dtype,
+          shape: Sequence[int]) -> Tensor:
+    """A contiguous `dtype` tensor of `shape` at `byte_offset` (a multiple of the element size)
+    of `storage`."""
+    return torch.empty(0, dtype=dtype).set_(storage, byte_offset // dtype.itemsize, tuple(shape))
 
 
 def place(buffers: SharedBuffers, k: int, bucket: NamedTensors,
