@@ -373,15 +373,19 @@ class EmbeddedEngine(RolloutEngine):
 
     def _write_streamed(self, named_tensors: Iterable[tuple[str, Tensor]]) -> set[int]:
         written: set[int] = set()
+
+        def targets() -> Iterator[tuple[str, Tensor, nn.Parameter]]:
+            for name, tensor in named_tensors:
+                param = self._lookup(name)
+                written.add(id(param))
+                yield name, tensor, param
+
+        writer = WW.StreamedWrite(torch.get_num_threads())
         try:
-            with WW.one_thread():
-                for name, tensor in named_tensors:
-                    param = self._lookup(name)
-                    WW.write_streamed(name, tensor, param)
-                    written.add(id(param))
+            writer.run(WW.streamed_jobs(targets()))
         except BaseException as exc:  # only a refusal before the first piece leaves them whole
             refused = isinstance(exc, (WeightUpdateError, FP8.FP8Error))
-            if written or not refused or isinstance(exc, WW.TornWrite):
+            if writer.written or not refused or isinstance(exc, WW.TornWrite):
                 self._torn = (set(), str(exc) or type(exc).__name__)
             raise
         if not written:

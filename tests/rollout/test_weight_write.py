@@ -127,3 +127,51 @@ def test_one_thread_for_the_block_and_back():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def _pool_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "megapkl-weight-write"]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_pieces_shared_among_threads_write_everything(threads):
+    """StreamedWrite hands the pieces to `threads` threads, each running torch on one thread,
+    and joins its helpers before it returns."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 7, 333)]
+    new = [torch.randn(p.shape) for p in params]
+    seen = []
+
+    def recorded(jobs):
+        for job in jobs:
+            yield lambda job=job: (seen.append(torch.get_num_threads()), job())
+
+    writer = WW.StreamedWrite(threads)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WW, "PIECE_BYTES", 64)  # 16 fp32 values a piece
+        jobs = WW.streamed_jobs((f"w{i}", t, p) for i, (t, p) in enumerate(zip(new, params)))
+        writer.run(recorded(jobs))
+    assert all(torch.equal(p, t) for p, t in zip(params, new))
+    assert writer.written == len(seen) == 63 + 1 + 21 and set(seen) == {1}
+    assert not _pool_threads()
+
+
+def test_a_bad_piece_among_threads_tears_and_joins(monkeypatch):
+    monkeypatch.setattr(WW, "PIECE_BYTES", 64)
+    param, t = torch.nn.Parameter(torch.zeros(4000)), torch.ones(4000)
+    t[-1] = float("nan")
+    writer = WW.StreamedWrite(2)
+    with pytest.raises(WW.TornWrite, match="'w': contains NaN or Inf"):
+        writer.run(WW.streamed_jobs([("w", t, param)]))
+    assert writer.written >= 1 and float(param.detach()[0]) == 1.0 and not _pool_threads()
+    # an interrupt raised on a helper thread reaches the caller, the helpers joined
+    jobs = WW.streamed_jobs([("w", torch.ones(4000), param)])
+
+    def interrupted():
+        for i, job in enumerate(jobs):
+            yield job if i != 5 else (lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+
+    with pytest.raises(KeyboardInterrupt):
+        WW.StreamedWrite(2).run(interrupted())
+    assert not _pool_threads()
