@@ -380,7 +380,7 @@ class EmbeddedEngine(RolloutEngine):
                 written.add(id(param))
                 yield name, tensor, param
 
-        writer = WW.StreamedWrite(torch.get_num_threads())
+        writer = WW.StreamedWrite(WW.write_threads(self.device))
         try:
             writer.run(WW.streamed_jobs(targets()))
         except BaseException as exc:  # only a refusal before the first piece leaves them whole

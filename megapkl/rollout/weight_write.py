@@ -101,6 +101,19 @@ def _write_piece(name: str, src: Tensor, dst: Tensor) -> None:
     dst.copy_(piece)
 
 
+# At most this many threads write one call's pieces: they are bound by memory bandwidth, which a
+# few threads fill, and each helper is a thread started per call (2 measured, on a 2-core host).
+MAX_WRITE_THREADS = 8
+
+
+def write_threads(device: torch.device) -> int:
+    """Threads for a streamed write to an engine on `device`: torch's own thread count on the CPU
+    (at most MAX_WRITE_THREADS), one elsewhere (each job is then a whole tensor on the device)."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, min(torch.get_num_threads(), MAX_WRITE_THREADS))
+
+
 class StreamedWrite:
     """Runs a streamed write's jobs on `threads` threads (this one and threads - 1 helpers, each
     with torch on one thread, all joined before `run` returns), each taking the next job when it

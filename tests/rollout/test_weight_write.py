@@ -175,3 +175,15 @@ def test_a_bad_piece_among_threads_tears_and_joins(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         WW.StreamedWrite(2).run(interrupted())
     assert not _pool_threads()
+
+
+def test_write_threads_follow_torch_on_cpu_within_a_cap_and_one_off_it():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert WW.write_threads(torch.device("cpu")) == 2
+        torch.set_num_threads(WW.MAX_WRITE_THREADS + 4)
+        assert WW.write_threads(torch.device("cpu")) == WW.MAX_WRITE_THREADS
+        assert WW.write_threads(torch.device("cuda", 0)) == 1
+    finally:
+        torch.set_num_threads(threads)
