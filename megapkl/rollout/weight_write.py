@@ -171,7 +171,8 @@ class StreamedWrite:
                 job()
             except BaseException as exc:
                 with self._lock:
-                    self._error = self._error or exc
+                    if self._error is None:  # the first failure is the one raised
+                        self._error = exc
                 return False
             with self._lock:
                 self.written += 1
