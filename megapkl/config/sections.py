@@ -115,6 +115,11 @@ class ParallelConfig:
     # "thd" = all responses of a micro-batch packed into one row with cu_seqlens (no padding
     # between responses beyond 2*cp multiples; megapkl.parallel.batching.pack_thd).
     packing: Literal["none", "thd"] = "none"
+    # torch's CPU threads per rank (intra-op, MKL included); null = the launcher's: the CPUs
+    # divided by the ranks locally, SLURM_CPUS_PER_TASK under Slurm. A small model's operators
+    # are too small to split: the CPU demo's updates take as long on one thread as on two, at
+    # half the CPU time.
+    cpu_threads: Optional[int] = field(default=None, metadata=rng(1))
 
     def check(self, err) -> None:
         if self.sequence_parallel and self.tensor < 2:

@@ -1,10 +1,12 @@
 """The train loop's updates run with the setup's objects frozen and a large young generation
-(`loop.settled_collector`), and the collector's settings come back after the run."""
+(`loop.settled_collector`) and on `parallel.cpu_threads` torch threads (`loop.rank_threads`);
+the collector's settings and the thread count come back after the run."""
 from __future__ import annotations
 
 import gc
 
 import pytest
+import torch
 
 from megapkl.config import load_config
 from megapkl.train import loop
@@ -52,3 +54,31 @@ def test_a_run_trains_under_the_settled_collector(dist_run, tmp_path):
     cfg = load_config("configs/demo/cpu_demo.yaml", [*SMALL, f"run_dir={tmp_path}"])
     (result,) = dist_run(_observed_run, 1, cfg, timeout=300)
     assert result == ([(50_000, True)], True)
+
+
+def _threads_run(rank, world_size, cfg):
+    seen = []
+    train = loop.Trainer.run
+
+    def observed(self):
+        seen.append(torch.get_num_threads())
+        return train(self)
+
+    loop.Trainer.run = observed
+    loop.run(cfg)
+    return seen, torch.get_num_threads()
+
+
+@pytest.mark.parametrize("setting, during", [("1", 1), ("null", 2)])
+def test_a_run_trains_on_parallel_cpu_threads(dist_run, tmp_path, setting, during):
+    """parallel.cpu_threads sets torch's threads for the run (null: the launcher's, here 2), and
+    the rank's own count comes back after it."""
+    cfg = load_config("configs/demo/cpu_demo.yaml",
+                      [*SMALL, f"run_dir={tmp_path}", f"parallel.cpu_threads={setting}"])
+    (result,) = dist_run(_threads_run, 1, cfg, timeout=300, threads=2)
+    assert result == ([during], 2)
+
+
+def test_parallel_cpu_threads_must_be_positive(tmp_path):
+    with pytest.raises(Exception, match="parallel.cpu_threads"):
+        load_config("configs/demo/cpu_demo.yaml", [*SMALL, "parallel.cpu_threads=0"])

@@ -1,10 +1,14 @@
 """Peer benchmark: megapkl and Hugging Face TRL's `GRPOTrainer` on the CPU demo's task.
 
-Both sides train the demo's tiny Qwen3 on `next_mod10` with on-policy GRPO, one process each with
-2 threads, from the one description `DESCRIPTION`; `megapkl_overrides` and `trl_settings` derive
-each side's settings from it (tests/test_bench_peer.py checks that they agree). A third system,
-`megapkl DP=2`, is megapkl with the same settings as two data-parallel ranks of one thread each
-(the same two cores, the same batch, each rank training half of the micro-batches). Runs alternate
+Both sides train the demo's tiny Qwen3 on `next_mod10` with on-policy GRPO, one process each given
+2 threads (OMP_NUM_THREADS / MKL_NUM_THREADS 2), from the one description `DESCRIPTION`;
+`megapkl_overrides` and `trl_settings` derive each side's settings from it
+(tests/test_bench_peer.py checks that they agree). megapkl runs its torch on the demo config's
+`parallel.cpu_threads` (1: this model's operators are too small to split, and one thread is as
+fast as two at half the CPU), TRL on the 2 it is given. A third system, `megapkl DP=2`, is megapkl with the same settings as two data-parallel
+ranks of one thread each (the same two cores, the same batch, each rank training half of the
+micro-batches); a fourth, `TRL 1 thread`, is TRL on one torch thread, so that the thread count
+is compared on both sides. Runs alternate
 (the order of the systems reverses every seed) so that load on the machine falls on all alike, and
 each is a subprocess whose peak RSS the kernel reports (for DP=2: the largest of its processes).
 
@@ -79,7 +83,8 @@ THREADS = 2
 WARMUP = 2  # first updates left out of the per-update time (allocator and caches warming up)
 FINAL_WINDOW = 10
 EMA_ALPHA = 0.2
-SYSTEMS = ("megapkl", "TRL", "megapkl DP=2")  # --systems, in the order of the first seed
+# --systems, in the order of the first seed
+SYSTEMS = ("megapkl", "TRL", "megapkl DP=2", "TRL 1 thread")
 
 DESCRIPTION = {
     "task": "next_mod10", "model": "tiny-qwen3", "dtype": "fp32",
@@ -229,12 +234,12 @@ def trl_model(d: dict, tokenizer, seed: int):
     return transformers.Qwen3ForCausalLM(config).float()
 
 
-def trl_worker(d: dict, seed: int, updates: int, out: Path) -> None:
-    """Train with `trl.GRPOTrainer`; write megapkl-style rows (step, time, train/accuracy,
-    response_len/mean) to out/metrics.jsonl, one per optimizer update."""
+def trl_worker(d: dict, seed: int, updates: int, out: Path, threads: int = THREADS) -> None:
+    """Train with `trl.GRPOTrainer` on `threads` torch threads; write megapkl-style rows (step,
+    time, train/accuracy, response_len/mean) to out/metrics.jsonl, one per optimizer update."""
     import torch
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -280,8 +285,8 @@ def trl_worker(d: dict, seed: int, updates: int, out: Path) -> None:
 
 # ---------------------------------------------------------------- the runs (megapkl's .venv)
 
-def child_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
+def child_env(threads: int = THREADS) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
     env.pop("SLURM_CPUS_PER_TASK", None)  # megapkl's launcher would set its own thread count
@@ -324,15 +329,17 @@ def cpu_per_update(samples: list[tuple[int, float]]) -> float | None:
     return (last[1] - past[0][1]) / (last[0] - past[0][0])
 
 
-def run_child(cmd: list[str], log: Path, cwd: Path, metrics: Path) -> dict:
-    """Run `cmd` to its end: wall seconds, peak RSS (MiB, the kernel's count for it and the
+def run_child(cmd: list[str], log: Path, cwd: Path, metrics: Path, threads: int = THREADS
+              ) -> dict:
+    """Run `cmd` (OMP and MKL set to `threads`) to its end: wall seconds, peak RSS (MiB, the kernel's count for it and the
     children it waited for) and CPU seconds per update. The CPU time is sampled next to the
     number of rows in `metrics`: under load from other processes wall time per update grows by
     however long the process waits for a core, while its CPU time mostly does not. The host's
     1-minute load average, sampled alike, says how much other load there was."""
     t0, samples, loads, rows, seen = time.perf_counter(), [], [], 0, 0
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=child_env())
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=child_env(threads))
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
@@ -370,16 +377,19 @@ def run_megapkl(d: dict, seed: int, updates: int, work: Path, ranks: int = 1
     return metrics, run_child(cmd, work / f"{name}_s{seed}.log", work, metrics)
 
 
-def run_trl(d: dict, seed: int, updates: int, work: Path) -> tuple[Path, dict]:
+def run_trl(d: dict, seed: int, updates: int, work: Path, threads: int = THREADS
+            ) -> tuple[Path, dict]:
     python = VENV / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"peer_trl: {python} is missing; run `python {__file__} --install` first")
-    out = work / f"trl_s{seed}"
+    name = "trl" if threads == THREADS else f"trl_t{threads}"
+    out = work / f"{name}_s{seed}"
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", "trl", "--seed", str(seed),
-           "--updates", str(updates), "--out", str(out), "--description", json.dumps(d)]
+           "--updates", str(updates), "--out", str(out), "--description", json.dumps(d),
+           "--threads", str(threads)]
     shutil.rmtree(out, ignore_errors=True)
     metrics = out / "metrics.jsonl"
-    return metrics, run_child(cmd, work / f"trl_s{seed}.log", work, metrics)
+    return metrics, run_child(cmd, work / f"{name}_s{seed}.log", work, metrics, threads)
 
 
 def summarize(d: dict, path: Path, process: dict, threshold: float) -> dict:
@@ -429,15 +439,16 @@ def table(results: dict, threshold: float) -> str:
                      f"| {spread([r['final_accuracy'] for r in runs], '.2f')} "
                      f"| {spread([r['wall_s'] for r in runs], '.0f')} "
                      f"| {spread([r['load_avg'] for r in runs], '.1f')} |")
-    for name in results:
-        if name == "TRL" or "TRL" not in results:
-            continue
-        pairs = list(zip(results[name], results["TRL"]))
+    peers = [n for n in results if n.startswith("TRL")]
+    for name, peer in [(n, p) for p in peers for n in results if n != p]:
+        if name.startswith("TRL") and (peer != "TRL" or name == "TRL"):
+            continue  # megapkl against each TRL run, and TRL on one thread against its default
+        pairs = list(zip(results[name], results[peer]))
         for key, what in (("s_per_update", "median seconds"), ("p10_s_per_update", "p10 seconds"),
                           ("cpu_s_per_update", "CPU seconds")):
             ratios = [m[key] / t[key] for m, t in pairs if m.get(key) and t.get(key)]
             if ratios:
-                lines.append(f"\n{name} / TRL {what} per update, paired by seed: "
+                lines.append(f"\n{name} / {peer} {what} per update, paired by seed: "
                              f"{spread(ratios, '.2f')}")
     return "\n".join(lines)
 
@@ -458,7 +469,8 @@ def bench(args) -> None:
     d = described(args.set or [])
     work = Path(args.out or tempfile.mkdtemp(prefix="megapkl_peer_trl_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    runners = dict(zip(SYSTEMS, (run_megapkl, run_trl, lambda *a: run_megapkl(*a, ranks=2))))
+    runners = dict(zip(SYSTEMS, (run_megapkl, run_trl, lambda *a: run_megapkl(*a, ranks=2),
+                                 lambda *a: run_trl(*a, threads=1))))
     systems = [s for s in SYSTEMS if s in args.systems]
     results: dict = {name: [] for name in systems}
     for i, seed in enumerate(range(args.seed_base, args.seed_base + args.seeds)):
@@ -471,7 +483,8 @@ def bench(args) -> None:
                                                    "threshold": args.threshold,
                                                    "results": results}, indent=1))
     print(f"\n{args.seeds} seed(s) x {args.updates} updates per system, {THREADS} threads per "
-          "process (megapkl DP=2: two processes of one thread); "
+          "process (megapkl: its config's parallel.cpu_threads, 1 in the demo; megapkl DP=2: two "
+          "processes of one thread; TRL 1 thread: one); "
           f"per-update time leaves out the first {WARMUP} updates; runs and logs in {work}\n")
     print(table(results, args.threshold))
 
@@ -492,12 +505,13 @@ def main() -> None:
     ap.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
     ap.add_argument("--description", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=THREADS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.install:
         return install()
     if args.worker:
         d = DESCRIPTION if args.description is None else json.loads(args.description)
-        return trl_worker(d, args.seed, args.updates, Path(args.out))
+        return trl_worker(d, args.seed, args.updates, Path(args.out), args.threads)
     if args.seeds < 1 or args.updates <= WARMUP:
         raise SystemExit(f"peer_trl: need --seeds >= 1 and --updates > {WARMUP}")
     args.systems = [s.strip() for s in args.systems.split(",")]
