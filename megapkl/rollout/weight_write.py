@@ -14,13 +14,13 @@ Two ways (`EmbeddedEngine.update_weights`):
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from megapkl.parallel.threads import torch_threads
 from megapkl.rollout.engine import WeightUpdateError
 
 # Bytes checked and copied at a time: a piece stays in the caches between its check and its copy
@@ -134,7 +134,12 @@ class StreamedWrite:
         self._stopped = False
 
     def run(self, jobs: Iterator[Callable[[], None]]) -> None:
-        with one_thread():
+        # torch on one thread in each thread (helpers started inside the block begin with one):
+        # the pieces are bound by memory, not compute, and an OpenMP team waits for its slowest
+        # member, which a process on the same cores (the pusher reading the next bucket) keeps
+        # waiting for a time slice. Measured on a 2-core host beside the tensor sync's reads: a
+        # 512 MiB bucket in 50-60 ms on one torch thread, 71-82 on two.
+        with torch_threads(1):
             if self._work(jobs, limit=1):
                 helpers: list[threading.Thread] = []
                 try:
@@ -178,20 +183,3 @@ class StreamedWrite:
                 self.written += 1
             limit -= 1
         return True
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread for the block (a streamed write; its helper threads, started inside
-    it, begin with one too): the pieces are bound by memory, not compute, and an OpenMP team
-    waits for its slowest member, which a process on the same cores (the pusher reading the
-    next bucket) keeps waiting for a time slice. Measured on a 2-core host beside the tensor
-    sync's reads: a 512 MiB bucket in 50-60 ms on one torch thread, 71-82 on two."""
-    threads = torch.get_num_threads()
-    if threads > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)

@@ -36,6 +36,7 @@ from megapkl import runlog
 from megapkl.config.layout import Layout
 from megapkl.config.loader import dump_config
 from megapkl.parallel.groups import created_groups, release_groups
+from megapkl.parallel.threads import torch_threads
 from megapkl.rollout.rewards import ERROR_KEY
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
@@ -389,7 +390,10 @@ class Trainer:
 def run(cfg, ctx: Any = None) -> dict[str, float]:
     """Train `cfg` on this rank; returns the last update's metrics. `ctx`: the launcher's context
     (Slurm preemption and requeue), None for a local run."""
-    with rank_threads(cfg.parallel.cpu_threads), RunContext(ctx) as context:
+    # parallel.cpu_threads, else the count the launcher gave this process; an in-process
+    # caller gets its own back after the run
+    threads = cfg.parallel.cpu_threads or max(1, torch.get_num_threads())
+    with torch_threads(threads), RunContext(ctx) as context:
         trainer = None
         try:
             trainer = Trainer(cfg, context)
@@ -402,20 +406,6 @@ def run(cfg, ctx: Any = None) -> dict[str, float]:
             raise told from exc
         finally:  # this rank's run is over: nothing more to tell or hear (the store's host may
             context.stop_watching()  # leave before this rank has closed everything)
-
-
-@contextlib.contextmanager
-def rank_threads(threads: Optional[int]) -> Iterator[None]:
-    """torch's CPU threads for the run: `parallel.cpu_threads`, else the count the launcher gave
-    this process. The caller's count is restored on the way out (an in-process caller keeps its
-    own)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, before))
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import torch
 
 from rollout_tiny import DENSE
 
+from megapkl.parallel.threads import torch_threads
 from megapkl.rollout import weight_write as WW
 from megapkl.rollout.embedded import EmbeddedEngine, checkpoint_tensors
 from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
@@ -115,14 +116,14 @@ def test_finite_reads_past_an_overflowing_sum():
         assert not WW.finite(torch.tensor([1.0, bad], dtype=torch.bfloat16))
 
 
-def test_one_thread_for_the_block_and_back():
+def test_torch_threads_for_the_block_and_back():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with WW.one_thread():
+        with torch_threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), WW.one_thread():
+        with pytest.raises(RuntimeError), torch_threads(1):
             raise RuntimeError
         assert torch.get_num_threads() == 2
     finally:

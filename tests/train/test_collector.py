@@ -1,5 +1,5 @@
 """The train loop's updates run with the setup's objects frozen and a large young generation
-(`loop.settled_collector`) and on `parallel.cpu_threads` torch threads (`loop.rank_threads`);
+(`loop.settled_collector`) and on `parallel.cpu_threads` torch threads (`torch_threads`);
 the collector's settings and the thread count come back after the run."""
 from __future__ import annotations
 

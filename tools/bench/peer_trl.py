@@ -5,10 +5,10 @@ Both sides train the demo's tiny Qwen3 on `next_mod10` with on-policy GRPO, one 
 `megapkl_overrides` and `trl_settings` derive each side's settings from it
 (tests/test_bench_peer.py checks that they agree). megapkl runs its torch on the demo config's
 `parallel.cpu_threads` (1: this model's operators are too small to split, and one thread is as
-fast as two at half the CPU), TRL on the 2 it is given. A third system, `megapkl DP=2`, is megapkl with the same settings as two data-parallel
-ranks of one thread each (the same two cores, the same batch, each rank training half of the
-micro-batches); a fourth, `TRL 1 thread`, is TRL on one torch thread, so that the thread count
-is compared on both sides. Runs alternate
+fast as two at half the CPU), TRL on the 2 it is given. A third system, `megapkl DP=2`, is
+megapkl with the same settings as two data-parallel ranks of one thread each (the same two
+cores, the same batch, each rank training half of the micro-batches); a fourth, `TRL 1 thread`,
+is TRL on one torch thread, so that the thread count is compared on both sides. Runs alternate
 (the order of the systems reverses every seed) so that load on the machine falls on all alike, and
 each is a subprocess whose peak RSS the kernel reports (for DP=2: the largest of its processes).
 
@@ -331,11 +331,12 @@ def cpu_per_update(samples: list[tuple[int, float]]) -> float | None:
 
 def run_child(cmd: list[str], log: Path, cwd: Path, metrics: Path, threads: int = THREADS
               ) -> dict:
-    """Run `cmd` (OMP and MKL set to `threads`) to its end: wall seconds, peak RSS (MiB, the kernel's count for it and the
-    children it waited for) and CPU seconds per update. The CPU time is sampled next to the
-    number of rows in `metrics`: under load from other processes wall time per update grows by
-    however long the process waits for a core, while its CPU time mostly does not. The host's
-    1-minute load average, sampled alike, says how much other load there was."""
+    """Run `cmd` (OMP and MKL set to `threads`) to its end: wall seconds, peak RSS (MiB, the
+    kernel's count for it and the children it waited for) and CPU seconds per update. The CPU
+    time is sampled next to the number of rows in `metrics`: under load from other processes wall
+    time per update grows by however long the process waits for a core, while its CPU time
+    mostly does not. The host's 1-minute load average, sampled alike, says how much other load
+    there was."""
     t0, samples, loads, rows, seen = time.perf_counter(), [], [], 0, 0
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
@@ -440,8 +441,8 @@ def table(results: dict, threshold: float) -> str:
                      f"| {spread([r['wall_s'] for r in runs], '.0f')} "
                      f"| {spread([r['load_avg'] for r in runs], '.1f')} |")
     peers = [n for n in results if n.startswith("TRL")]
-    for name, peer in [(n, p) for p in peers for n in results if n != p]:
-        if name.startswith("TRL") and (peer != "TRL" or name == "TRL"):
+    for peer, name in [(p, n) for p in peers for n in results]:
+        if name == peer or (name.startswith("TRL") and peer != "TRL"):
             continue  # megapkl against each TRL run, and TRL on one thread against its default
         pairs = list(zip(results[name], results[peer]))
         for key, what in (("s_per_update", "median seconds"), ("p10_s_per_update", "p10 seconds"),
