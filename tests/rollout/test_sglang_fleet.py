@@ -430,3 +430,92 @@ def test_a_stopping_run_waits_for_no_server_and_restarts_none(tmp_path):
             pass
     fleet.beat()
     assert w.restarts == 0 and w.state == "dead"
+
+
+def test_a_version_read_across_a_push_retires_nobody():
+    """The heartbeat reads a ready server's weight version, and a push runs meanwhile: the
+    server answers with the version it held before the push, the fleet's has moved on. That
+    says nothing about the server (the push just gave it the new weights): it stays ready. Before:
+    retired as stale ("reports weight version 4, current is 5") and resynced."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sglang_fixtures import free_port
+
+    fleet_of: list = []
+
+    class Server(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b"{}"
+            if self.path == "/model_info":  # read at version 4, then a push to 5 completes
+                body = json.dumps({"weight_version": "4"}).encode()
+                with fleet_of[0].weight_targets():
+                    fleet_of[0].version = 5
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        w = Worker(f"http://127.0.0.1:{server.server_address[1]}", state="ready")
+        fleet = Fleet([w], health=HealthSettings(interval_s=60, timeout_s=5))
+        resynced: list = []
+        fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
+                               asleep=lambda url: False))
+        fleet_of.append(fleet)
+        fleet.version = 4
+        fleet.beat()
+        assert fleet.version == 5 and w.state == "ready", fleet.events
+        assert resynced == [] and fleet.events == [], fleet.events
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+_ANSWERS_200 = """import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    do_POST = do_GET
+    def log_message(self, *args): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_the_heartbeat_restarted_outlives_the_heartbeat(tmp_path):
+    """Linux sends a launched server its parent-death signal when the thread that started it
+    ends. A server the heartbeat restarts is started by a thread of the fleet's own, which
+    ends after the fleet has stopped its servers: it survives the heartbeat's stop, and the
+    fleet's close stops it. Before: SIGKILLed (its process group left behind) the moment the
+    heartbeat stopped."""
+    from megapkl.rollout.sglang.launch import ServerSpec
+
+    from sglang_fixtures import free_port
+
+    script = tmp_path / "answers_200.py"
+    script.write_text(_ANSWERS_200)
+    port = free_port()
+    spec = ServerSpec(0, f"http://127.0.0.1:{port}", [sys.executable, str(script), str(port)],
+                      tmp_path / "engine0.log")
+    w = Worker(spec.url, spec=spec, state="dead", last_error="killed")
+    fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
+    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
+                           asleep=lambda url: False))
+    fleet.version = 0
+    fleet.start_heartbeat()
+    try:
+        deadline = time.monotonic() + 60
+        while w.state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.state == "ready" and w.restarts == 1, fleet.events
+        fleet.stop_heartbeat()
+        time.sleep(0.5)  # the signal is immediate
+        assert w.process.alive(), f"exited with {w.process.popen.returncode}"
+    finally:
+        fleet.close()
+    assert not w.process.alive()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,11 @@ class Fleet:
         self._pushes = 0  # bumped when a weight push takes the lock and when it leaves it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # Restarted servers are started by a thread of the fleet's that ends after they are
+        # stopped: Linux sends a server its parent-death signal (launch.py) when the *thread*
+        # that started it ends, so one started by the heartbeat would be SIGKILLed, its process
+        # group left behind, the moment the heartbeat stops.
+        self._launcher: Optional[ThreadPoolExecutor] = None
         self.events: list[tuple[float, str, str]] = []  # (time, url, what) for logs and tests
 
     def bind(self, hooks: EngineHooks) -> None:
@@ -319,6 +325,8 @@ class Fleet:
                 self._declare_dead(w, why)
                 return
             v = self.server_version(w)
+            if self._in_push(pushes):
+                return  # the version read and the fleet's may straddle a push: next beat
             if self.version is not None and v is not None and v != self.version:
                 self.retire(w, "stale", f"reports weight version {v}, current is "
                                         f"{self.version} (restarted?)")
@@ -343,7 +351,7 @@ class Fleet:
                 with self.lock:  # not in the middle of a sync
                     self.hooks.restarted(w)  # a fresh server: nothing released, in no group
                 w.launched_at, w.identity = time.time(), None
-                w.process = w.spec.process().start()
+                w.process = self._start(w.spec)
                 try:
                     wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,
                                  interval_s=min(self.health.interval_s, 1.0),
@@ -376,6 +384,11 @@ class Fleet:
                     return
                 self.admit([w])
 
+    def _start(self, spec: ServerSpec) -> ServerProcess:
+        if self._launcher is None:
+            self._launcher = ThreadPoolExecutor(1, thread_name_prefix="sglang-launcher")
+        return self._launcher.submit(lambda: spec.process().start()).result()
+
     def start_heartbeat(self) -> None:
         _ = self.hooks  # raises on an unbound fleet, whose every beat would fail
         if self._thread is None:
@@ -403,3 +416,5 @@ class Fleet:
                 w.process.stop()
         if self.router is not None:
             self.router.stop()
+        if self._launcher is not None:  # the restarted servers' parent thread, after them
+            self._launcher.shutdown(wait=True)
