@@ -519,3 +519,33 @@ def test_a_server_the_heartbeat_restarted_outlives_the_heartbeat(tmp_path):
     finally:
         fleet.close()
     assert not w.process.alive()
+
+
+def test_a_server_that_dies_while_stale_is_restarted(tmp_path):
+    """A server waiting for weights (stale) whose process then exits (a colocated server dies
+    when its resume finds no GPU memory, in the very resync that would re-admit it) is dead:
+    restarted, resynced and admitted. Before: left stale for good, its process gone, while the
+    run waited no_engine_timeout_s for it."""
+    from megapkl.rollout.sglang.launch import ServerSpec
+
+    from sglang_fixtures import free_port
+
+    script = tmp_path / "answers_200.py"
+    script.write_text(_ANSWERS_200)
+    port = free_port()
+    spec = ServerSpec(0, f"http://127.0.0.1:{port}", [sys.executable, str(script), str(port)],
+                      tmp_path / "engine0.log")
+    gone = ServerSpec(0, spec.url, [sys.executable, "-c", "pass"], spec.log_path).process()
+    gone.start().popen.wait(30)
+    w = Worker(spec.url, spec=spec, process=gone, state="stale", last_error="resync failed")
+    resynced: list = []
+    fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
+    fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
+                           asleep=lambda url: False))
+    fleet.version = 0
+    try:
+        fleet.beat()
+        assert w.restarts == 1 and w.state == "ready" and resynced == [[w]], fleet.events
+        assert w.process is not gone and w.process.alive()
+    finally:
+        fleet.close()

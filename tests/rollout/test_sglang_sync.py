@@ -109,6 +109,40 @@ def test_tensor_pushes_through_the_kept_segments_stay_exact(server, tmp_path):
             assert st["weights"][n].dtype == t.dtype and torch.equal(st["weights"][n], t), n
 
 
+def test_a_stored_version_is_pinned_under_the_fleet_lock(server, tmp_path):
+    """A resync (the heartbeat's, under the fleet lock) reads the version the servers hold from
+    its pinned file, which pinning the next version deletes: the trainer's push pins only once it
+    holds the lock. Before: pinned before waiting for it, so a resync running meanwhile found its
+    file gone and failed, leaving its server stale for a beat."""
+    import threading
+    import time
+
+    from megapkl.rollout.sglang.client import SGLangEngine
+    from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+    from megapkl.rollout.version_store import VersionStore
+
+    store = VersionStore(tmp_path / "versions")
+    store.save(1, _weights(0))
+    store.save(2, _weights(1))
+    fleet = Fleet([Worker(server.url, state="ready")], health=HealthSettings(timeout_s=30))
+    sync = WeightSync(SyncSettings(mode="tensor", timeout_s=30), export_dir=tmp_path / "sync")
+    engine = SGLangEngine(fleet, {}, sync, heartbeat=False)
+    try:
+        engine.update_weights(store.get(1), 1)
+        held = tmp_path / "sync" / "weights" / "v1" / "model.safetensors"
+        assert held.is_file()
+        with fleet.lock:  # a resync of version 1 runs
+            push = threading.Thread(target=engine.update_weights, args=(store.get(2), 2))
+            push.start()
+            time.sleep(0.5)
+            assert held.is_file() and push.is_alive()
+        push.join(60)
+        assert engine.version == 2 and not held.exists()
+        assert torch.equal(server.state()["weights"]["model.norm.weight"], _weights(1)[2][1])
+    finally:
+        engine.close()
+
+
 def test_failed_update_names_server_and_lets_generation_continue(server, tmp_path):
     server.post("fail_on", {"route": "update_weights_from_tensor"})
     sync = WeightSync(SyncSettings(mode="tensor", timeout_s=30))

@@ -102,13 +102,13 @@ class SGLangEngine(RolloutEngine):
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
-        if isinstance(named_tensors, StoredVersion):  # a reference to the file, no copy
-            weights = self.sync.pin(named_tensors)
-        else:  # kept: a restarted server must receive exactly these
-            weights = list(named_tensors)
-            if not weights:
-                raise WeightUpdateError("update_weights received no tensors")
+        stored = isinstance(named_tensors, StoredVersion)  # a reference to the file, no copy
+        weights = named_tensors if stored else list(named_tensors)  # kept: a restarted server
+        if not stored and not weights:                              # must receive exactly these
+            raise WeightUpdateError("update_weights received no tensors")
         with self.fleet.weight_targets() as targets:
+            if stored:  # under the fleet lock: pinning lets the held version's file go, which a
+                weights = self.sync.pin(named_tensors)  # resync (also under it) may be reading
             self._push(targets, weights, version)
 
     def _push(self, targets: list[Worker], weights: Any, version: int) -> None:

@@ -342,6 +342,9 @@ class Fleet:
 
     def _recover(self, w: Worker) -> None:
         """Restart a dead worker we launched; re-admit a worker once it holds the current weights."""
+        if w.state == "stale" and w.process is not None and not w.process.alive():
+            # ours, gone while it waited for weights (e.g. killed by its resync's resume)
+            self._declare_dead(w, f"exited with code {w.process.popen.returncode} while stale")
         if w.state == "dead":
             if w.spec is not None:
                 if w.restarts >= self.health.max_restarts or self.stopping():
