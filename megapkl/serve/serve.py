@@ -410,14 +410,16 @@ class SGLangCompatServer:
 
     def weights_by_name(self, body: dict) -> list:
         """SGLang's /get_weights_by_name: the first `truncate_size` rows of a weight as the engine
-        computes with it (an FP8 server's dequantized weight), as float lists."""
+        computes with it (an FP8 server's dequantized weight), as float lists. Read by the
+        scheduler, as in SGLang, so never half-way through a weight load."""
         name, rows = body.get("name"), body.get("truncate_size", 100)
         param = dict(self.state.engine.model.named_parameters(remove_duplicate=False)).get(name)
         if param is None:
             raise RequestError(f"name: {name!r} is not a weight of the served model")
         if not isinstance(rows, int) or rows < 1:
             raise RequestError(f"truncate_size: expected an int >= 1, got {rows!r}")
-        return param.detach()[:rows].float().cpu().tolist()
+        with self.state.scheduler:
+            return param.detach()[:rows].float().cpu().tolist()
 
     def health(self) -> str:
         """SGLang serves /health with /health_generate's handler: a generation, unless

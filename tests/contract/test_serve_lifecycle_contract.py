@@ -87,3 +87,22 @@ def test_memory_refusals_raise_in_the_scheduler_which_ends_the_server():
                       if isinstance(n, ast.ClassDef) and n.name == "TypeBasedDispatcher")
     dispatch = _function(dispatcher, "__call__")  # a handler's exception is not caught
     assert not any(isinstance(n, ast.Try) for n in ast.walk(dispatch))
+
+
+def test_weights_are_read_and_loaded_by_the_one_scheduler():
+    """/get_weights_by_name is a request to the scheduler, dispatched by the same dispatcher as
+    the weight loads, so a read never sees a load half-way (the stand-in reads under its
+    scheduler lock, which its loads hold)."""
+    scheduler = _tree("srt/managers/scheduler.py")
+    init = _function(scheduler, "init_request_dispatcher")
+    handled = {ast.unparse(pair.elts[0]): ast.unparse(pair.elts[1]) for pair in ast.walk(init)
+               if isinstance(pair, ast.Tuple) and len(pair.elts) == 2}
+    for req in ("GetWeightsByNameReqInput", "UpdateWeightFromDiskReqInput",
+                "UpdateWeightsFromTensorReqInput", "UpdateWeightsFromDistributedReqInput"):
+        assert handled.get(req, "").startswith("self.weight_updater."), req
+    mixin = _tree("srt/managers/tokenizer_control_mixin.py")
+    assert "await self.get_weights_by_name_communicator(obj)" in ast.unparse(
+        _function(mixin, "get_weights_by_name"))
+    mine = ast.unparse(_function(ast.parse(Path(
+        SGLangCompatServer.__init__.__code__.co_filename).read_text()), "weights_by_name"))
+    assert "with self.state.scheduler:" in mine

@@ -127,3 +127,24 @@ def test_the_process_exits_with_a_log_line_when_probed_while_released(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_weights_are_read_by_the_scheduler_never_half_way_through_a_load(served, dense_model,
+                                                                          tmp_path):
+    """SGLang answers /get_weights_by_name from its scheduler, which a weight load blocks: a read
+    sent during a load returns the loaded weights. Before: read at once, from the weights as the
+    load had left them so far."""
+    from safetensors.torch import save_file
+
+    app, url = served()
+    new = {n: t + 1.0 for n, t in checkpoint_tensors(dense_model)}
+    save_file({n: t.contiguous() for n, t in new.items()}, str(tmp_path / "model.safetensors"))
+    name = "model.norm.weight"
+    app.state.load_delay_s = 1.5  # the scheduler blocked first, as a large checkpoint's read
+    load = threading.Thread(target=http, args=("POST", url + "/update_weights_from_disk",
+                                               {"model_path": str(tmp_path)}))
+    load.start()
+    time.sleep(0.3)
+    status, held = http("POST", url + "/get_weights_by_name", {"name": name, "truncate_size": 8})
+    load.join()
+    assert status == 200 and held == new[name][:8].tolist()
