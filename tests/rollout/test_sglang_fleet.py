@@ -430,6 +430,12 @@ def test_a_stopping_run_waits_for_no_server_and_restarts_none(tmp_path):
             pass
     fleet.beat()
     assert w.restarts == 0 and w.state == "dead"
+    stopping.clear()  # nor does a beat that runs on once the heartbeat was told to stop (close)
+    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
+                           asleep=lambda url: False))
+    fleet.stop_heartbeat()
+    fleet.beat()
+    assert w.restarts == 0 and w.state == "dead"
 
 
 def test_a_version_read_across_a_push_retires_nobody():

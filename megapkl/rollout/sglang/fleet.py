@@ -347,7 +347,8 @@ class Fleet:
             self._declare_dead(w, f"exited with code {w.process.popen.returncode} while stale")
         if w.state == "dead":
             if w.spec is not None:
-                if w.restarts >= self.health.max_restarts or self.stopping():
+                if w.restarts >= self.health.max_restarts or self.stopping() or \
+                        self._stop.is_set():  # (a beat still running when the fleet closes)
                     return
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")
