@@ -116,3 +116,4 @@ def test_router_command_is_sglang_routers(sglang, name, tmp_path, monkeypatch):
     assert got["policy"] == sg.router_policy
     assert got["host"] == sg.host
     assert got["prometheus_host"] == sg.host and got["prometheus_port"] != got["port"]
+    assert got["health_check_endpoint"] == "/model_info"  # never a generation (fleet.py)

@@ -128,6 +128,37 @@ def test_each_sync_mode_servers_hold_trainer_weights(engine, reference, mode):
         assert torch.equal(d.logp, expect.logp_behav)  # same floats: same weights, bit for bit
 
 
+def test_pushes_add_no_listed_worker_and_a_readmitted_one_is_routed_on_return(engine,
+                                                                               reference):
+    """Every push admits its targets, which the router lists already: no second add, a job of
+    the router's that probes the server's /health (a generation on SGLang, fatal to a colocated
+    server whose memory is released by the time it lands) and is then refused ("already
+    exists"). A worker retired and re-admitted is listed again when `admit` returns: the
+    router's remove and add are jobs it runs later, and the add once met the remove not yet
+    done."""
+    router_log = engine.fleet.router.log_path
+
+    def refused() -> int:
+        return router_log.read_text(errors="replace").count("already exists")
+
+    before = refused()
+    engine.update_weights(_weights(reference, 21), version=21)
+    engine.update_weights(_weights(reference, 22), version=22)
+    time.sleep(1.0)  # the router's jobs run in the background
+    assert refused() == before
+
+    def listed() -> set:
+        got = http.request(engine.fleet.router_url, "/workers", method="GET", timeout=10)
+        return {e["url"] for e in got["workers"]}
+
+    w = engine.fleet.workers[0]
+    for _ in range(5):
+        engine.fleet.retire(w, "stale", "taken out by the test")
+        assert w.url not in listed()
+        engine.fleet.admit([w])
+        assert w.url in listed() and w.state == "ready"
+
+
 def test_trainer_runs_through_router(engine, dist_run, tmp_path):
     """`rollout.engine: sglang` in the real trainer (megatron-core learner), against the fixture's
     workers and router given as urls/router_url (the fixture's heartbeat pauses meanwhile)."""

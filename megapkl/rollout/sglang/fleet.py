@@ -166,22 +166,39 @@ class Fleet:
         self.connections.cut(w.url)
 
     def _router_call(self, op: str, w: Worker) -> None:
-        """sglang-router's worker API: POST /workers {url}; DELETE /workers/{id} (id from GET)."""
+        """sglang-router's worker API: POST /workers {url}; DELETE /workers/{id} (id from GET).
+        The router runs both as jobs of its own, and its add probes the server's /health, which
+        on SGLang is a generation: one that lands while a colocated server has released its
+        memory ends that server. So a worker the router lists already is not added again (each
+        push admits its targets), and the call returns once the router lists the worker (add)
+        or no longer does (remove), its job and probe over."""
         if self.router_url is None:
             return
         t = self.health.timeout_s
         try:
+            listed = self._router_workers()
+            if (w.url in listed) == (op == "add_worker"):
+                return
             if op == "add_worker":
                 http.request(self.router_url, "/workers", {"url": w.url}, method="POST", timeout=t)
-                return
-            listing = http.request(self.router_url, "/workers", method="GET", timeout=t)
-            for entry in (listing or {}).get("workers", []):
-                if entry.get("url") == w.url:
-                    wid = entry.get("id") or entry.get("worker_id") or w.url
-                    http.request(self.router_url, f"/workers/{quote(str(wid), safe='')}",
-                                 method="DELETE", timeout=t)
+            else:
+                http.request(self.router_url, f"/workers/{quote(listed[w.url], safe='')}",
+                             method="DELETE", timeout=t)
+            deadline = time.monotonic() + t
+            while (w.url in self._router_workers()) != (op == "add_worker"):
+                if time.monotonic() > deadline:
+                    self._event(w, f"router {op}: not done after {t:.0f} s")
+                    return
+                time.sleep(0.01)
         except (http.ServerError, http.ServerUnreachable) as exc:
             self._event(w, f"router {op} failed: {exc}")
+
+    def _router_workers(self) -> dict[str, str]:
+        """url -> id of the workers the router lists."""
+        listing = http.request(self.router_url, "/workers", method="GET",
+                               timeout=self.health.timeout_s)
+        return {e["url"]: str(e.get("id") or e.get("worker_id") or e["url"])
+                for e in (listing or {}).get("workers", []) if e.get("url")}
 
     # ------------------------------------------------------------------ request targets
     def pick(self, direct: bool = False) -> str:

@@ -219,9 +219,12 @@ def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int,
                    metrics: int) -> list[str]:
     cmd = list(sg.router_command) if sg.router_command else [
         sys.executable, "-m", "sglang_router.launch_router"]
+    # The router checks its workers on /model_info, which SGLang answers without its scheduler:
+    # its default, /health, runs a generation, and one that lands while a colocated server has
+    # released its memory ends that server. The fleet's heartbeat is what judges health.
     return cmd + ["--worker-urls", *worker_urls, "--policy", sg.router_policy,
                   "--host", host, "--port", str(port), "--prometheus-host", host,
-                  "--prometheus-port", str(metrics)]
+                  "--prometheus-port", str(metrics), "--health-check-endpoint", "/model_info"]
 
 
 def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float,
