@@ -75,9 +75,9 @@ def train_and_check_weights(rank, world, cfg, kill=None):
         if stage.slot.engine is None:
             return {"rank": rank, "workers": []}
         fleet = stage.slot.engine.fleet
-        settled = time.monotonic() + 120  # a server found dead on a loaded host near the end of
+        settled = time.monotonic() + 120  # (a worker not ready now would be resynced first)
         while time.monotonic() < settled and {w.state for w in fleet.workers} != {"ready"}:
-            time.sleep(0.1)  # the run is restarted and resynced by the heartbeat, as any other
+            time.sleep(0.1)
         fleet.stop_heartbeat()  # no resync or restart under the reads
         stored = list(stage.versions.get(stage.slot.engine.version).stream())
         differ = []
@@ -147,7 +147,7 @@ def test_a_fleet_on_each_node_changes_no_result_even_when_one_dies(dist_run, lea
     assert not (leader_dir / "sglang" / "node0").exists()
     assert generate_counts(leader_dir)["engine0"] > 0
     log = (tmp_path / "nodes" / "sglang" / "node1" / "logs" / "engine0.log").read_text()
-    assert len(re.findall(r"==== megapkl: starting", log)) >= 2, log[-2000:]  # restarted
+    assert len(re.findall(r"==== megapkl: starting", log)) == 2, log[-2000:]  # restarted once
 
     assert any("eval/micro_avg/accuracy" in r for r in node_rows)
     assert node_rows == leader_rows
