@@ -125,7 +125,7 @@ def test_a_replica_across_both_nodes_has_a_fleet_on_each(launch_tmp: Path) -> No
     from megapkl.train.metrics_log import wall_clock
 
     one_replica = ["parallel.data=1", "parallel.pipeline=2", "rollout.sglang.weight_sync=tensor",
-                   "rollout.sglang.base_port=30900"]
+                   "rollout.sglang.base_port=30950"]
     digests = launch_tmp / "digests"
     digests.mkdir()
     serve = [*SERVE, "--weight-digest-file", str(digests / "port{port}.json")]

@@ -108,9 +108,9 @@ def _run(dist_run, run_dir: Path, extra: list[str], kill=None):
 
 
 LEADER = ["rollout.sglang.every_node=false", "rollout.sglang.num_engines=1",
-          "rollout.sglang.base_port=30800"]
+          "rollout.sglang.base_port=30850"]
 NODES = ["rollout.sglang.every_node=true", "rollout.sglang.num_engines=2",
-         "rollout.sglang.base_port=30800"]
+         "rollout.sglang.base_port=30850"]
 
 
 @pytest.fixture(scope="module")

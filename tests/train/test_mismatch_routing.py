@@ -191,7 +191,7 @@ def test_routing_mismatch_through_sglang_wire_format(dist_run, tmp_path):
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         *MOE, "parallel.data=1", "train.steps=1", f"run_dir={tmp_path / 'sg'}",
         "rollout.engine=sglang", f"rollout.sglang.server_command={json.dumps(serve)}",
-        "rollout.sglang.num_engines=1", "rollout.sglang.base_port=30400",
+        "rollout.sglang.num_engines=1", "rollout.sglang.base_port=30450",
         "rollout.sglang.startup_timeout_s=240", "rollout.sglang.use_router=false"])
     dist_run(_rank_main, 1, cfg, timeout=300)
     row = read_metrics(cfg.run_dir)[0]
