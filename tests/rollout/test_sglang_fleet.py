@@ -586,3 +586,38 @@ def test_a_server_that_dies_while_stale_is_restarted(tmp_path):
         assert w.process is not gone and w.process.alive()
     finally:
         fleet.close()
+
+
+def test_a_restarted_server_that_lost_its_port_is_neither_synced_nor_admitted(tmp_path):
+    """While a server is dead, another process of the host may take its port (another job's
+    server). The restarted server then cannot bind, and the URL answers all the same: the
+    fleet sees that the listener is not the process it launched, stops its own and leaves the
+    worker dead (retried next beat). Before: the other process was resynced and admitted."""
+    from megapkl.rollout.sglang.launch import ServerProcess, ServerSpec, holds_port
+
+    from sglang_fixtures import free_port
+
+    script = tmp_path / "answers_200.py"
+    script.write_text(_ANSWERS_200)
+    port = free_port()
+    other = ServerProcess("other", f"http://127.0.0.1:{port}", [sys.executable, str(script),
+                                                                 str(port)], tmp_path / "o.log")
+    spec = ServerSpec(0, other.url, [sys.executable, "-c", "import time; time.sleep(60)"],
+                      tmp_path / "engine0.log")  # alive, never binds: as one that lost the race
+    w = Worker(spec.url, spec=spec, state="dead", last_error="killed")
+    resynced: list = []
+    fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
+    fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
+                           asleep=lambda url: False))
+    fleet.version = 0
+    other.start()
+    try:
+        deadline = time.monotonic() + 60
+        while holds_port(other, port) is not True and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fleet.beat()
+        assert w.restarts == 1 and w.state == "dead" and resynced == [], fleet.events
+        assert "lost its port" in w.last_error and not w.process.alive()
+    finally:
+        fleet.close()
+        other.stop()

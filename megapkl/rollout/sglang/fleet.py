@@ -41,11 +41,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from megapkl.rollout.engine import RolloutEngineError
 from megapkl.rollout.sglang import http
-from megapkl.rollout.sglang.launch import ServerLaunchError, ServerProcess, ServerSpec, wait_healthy
+from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, ServerSpec,
+                                           holds_port, wait_healthy)
 from megapkl.rollout.sglang.protocol import parse_version, ProtocolError
 
 
@@ -382,6 +383,8 @@ class Fleet:
                     w.last_error = str(exc).splitlines()[0]
                     w.process.stop(grace_s=1.0)
                     return
+                if self._lost_port(w):
+                    return
             elif not self._alive(w):
                 return
             elif (why := self.foreign(w)) is not None:
@@ -404,6 +407,19 @@ class Fleet:
                     self._event(w, w.last_error)
                     return
                 self.admit([w])
+
+    def _lost_port(self, w: Worker) -> bool:
+        """The restarted server's URL is answered by another process of this host (one that
+        took the port while ours was dead): ours is stopped, and it stays dead, retried by
+        the next beat."""
+        parts = urlsplit(w.url)
+        if not http.is_loopback(parts.hostname or "") or \
+                holds_port(w.process, parts.port or 80) is not False:
+            return False
+        w.last_error = f"another process listens on {w.url}: the restarted server lost its port"
+        self._event(w, w.last_error)
+        w.process.stop(grace_s=1.0)
+        return True
 
     def _start(self, spec: ServerSpec) -> ServerProcess:
         if self._launcher is None:

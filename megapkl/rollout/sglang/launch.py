@@ -113,6 +113,35 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+def holds_port(proc: "ServerProcess", port: int) -> Optional[bool]:
+    """Whether the process megapkl launched, or one of its session (it runs setsid: a wrapper's
+    children count), listens on `port` of this host: True; False when another process does;
+    None when this cannot be told (no /proc, or nothing listens on it here: a server on
+    another node). A restarted server can lose its port to a process started while it was
+    dead, which then answers its URL and would be synced and sent requests."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for f in (r.split() for r in rows):  # local address:port, state 0A = LISTEN, inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes or proc.popen is None:
+        return None
+    for task in Path("/proc").iterdir():
+        try:  # stat after the command's closing parenthesis: state ppid pgrp session ...
+            if not task.name.isdigit() or int((task / "stat").read_text().rsplit(")", 1)[1]
+                                               .split()[3]) != proc.popen.pid:
+                continue
+            if any(os.readlink(fd) in inodes for fd in (task / "fd").iterdir()):
+                return True
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return False
+
+
 ROUTER_PORT_OFFSET = 1000  # the routers' ports start at base_port + this (router_ports)
 
 
