@@ -112,8 +112,10 @@ def test_a_foreign_server_on_a_killed_servers_port_is_never_admitted(tmp_path, p
 
 
 def test_a_launched_server_whose_port_is_taken_is_not_admitted(tmp_path, procs):
-    """A restart whose port another, older process answers: that one's startup_time predates
-    our launch, so it is not taken for our server."""
+    """A restart whose port another, older process answers: the listener is not the process
+    the fleet launched (checked first, on a loopback URL), and its startup_time predates our
+    launch (what a server on another node is judged by); either keeps it from being taken for
+    our server."""
     port = free_port()
     other = _start(tmp_path, "other", port)
     procs.append(other)
@@ -128,4 +130,5 @@ def test_a_launched_server_whose_port_is_taken_is_not_admitted(tmp_path, procs):
     fleet.bind(_hooks(resync=lambda ws: synced.extend(x.url for x in ws)))
     fleet.beat()
     assert w.state != "ready" and not synced, (w.describe(), synced)
-    assert "the port is taken" in w.last_error, (w.last_error, fleet.events)
+    assert "lost its port" in w.last_error, (w.last_error, fleet.events)
+    assert "the port is taken" in (fleet.foreign(w) or "")
