@@ -102,9 +102,11 @@ class SGLangEngine(RolloutEngine):
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
-        stored = isinstance(named_tensors, StoredVersion)  # a reference to the file, no copy
-        weights = named_tensors if stored else list(named_tensors)  # kept: a restarted server
-        if not stored and not weights:                              # must receive exactly these
+        # A stored version is held as a reference to its file, never copied; other weights are
+        # kept as given: a restarted server must receive exactly these.
+        stored = isinstance(named_tensors, StoredVersion)
+        weights = named_tensors if stored else list(named_tensors)
+        if not stored and not weights:
             raise WeightUpdateError("update_weights received no tensors")
         with self.fleet.weight_targets() as targets:
             if stored:  # under the fleet lock: pinning lets the held version's file go, which a

@@ -131,15 +131,19 @@ def holds_port(proc: "ServerProcess", port: int) -> Optional[bool]:
     if not inodes or proc.popen is None:
         return None
     for task in Path("/proc").iterdir():
-        try:  # stat after the command's closing parenthesis: state ppid pgrp session ...
-            if not task.name.isdigit() or int((task / "stat").read_text().rsplit(")", 1)[1]
-                                               .split()[3]) != proc.popen.pid:
-                continue
-            if any(os.readlink(fd) in inodes for fd in (task / "fd").iterdir()):
+        try:
+            if task.name.isdigit() and _session(task) == proc.popen.pid and \
+                    any(os.readlink(fd) in inodes for fd in (task / "fd").iterdir()):
                 return True
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
     return False
+
+
+def _session(task: Path) -> int:
+    """The session id of process /proc/<pid>: stat's fields after the command's closing
+    parenthesis are state, ppid, pgrp, session, ..."""
+    return int((task / "stat").read_text().rsplit(")", 1)[1].split()[3])
 
 
 ROUTER_PORT_OFFSET = 1000  # the routers' ports start at base_port + this (router_ports)
