@@ -110,12 +110,28 @@ class TokenBatch:
 
     def _validate_shard(self, full_lengths: Tensor) -> None:
         """Layout of a shard: responses in order, increasing positions within 1..T_m. Checked
-        with one host read (a loss call per micro-batch runs it)."""
+        with one host read of a few reductions (a loss call per micro-batch runs it); which
+        rule failed is worked out only then."""
         ridx, pos, m = self.response_index, self.positions.to(torch.int64), self.num_responses
         if tuple(full_lengths.shape) != (m,):
             raise ValueError(f"LossContext.response_lengths: expected shape [{m}], got {list(full_lengths.shape)}")
         if m == 0:  # tokens of no response
             raise ValueError("TokenBatch.response_index: must be non-decreasing within 0..M-1")
+        # With responses in 0..M-1 and positions in 1..2^32-1, (response, position) pairs
+        # strictly increase in token order exactly when responses never decrease and positions
+        # increase within one.
+        top = full_lengths.index_select(0, ridx.clamp(0, m - 1))
+        key = ridx * 2**32 + pos
+        gap = key.diff().min() if key.numel() > 1 else key.new_ones(())
+        first, last, gap, low, high, over = torch.stack(
+            [ridx.min(), ridx.max(), gap, pos.min(), pos.max(), (pos - top).max()]).tolist()
+        if first >= 0 and last < m and gap > 0 and low >= 1 and high < 2**32 and over <= 0:
+            return
+        self._shard_error(full_lengths)
+
+    def _shard_error(self, full_lengths: Tensor) -> None:
+        """The rule `_validate_shard` found broken, as its ValueError."""
+        ridx, pos, m = self.response_index, self.positions.to(torch.int64), self.num_responses
         step = ridx.diff()
         bad_order = (step < 0).any() | (ridx.min() < 0) | (ridx.max() >= m)
         top = full_lengths.index_select(0, ridx.clamp(0, m - 1))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
 from megapkl.parallel.groups import ProcessGroup, group_rank, group_size
@@ -284,6 +285,56 @@ class CPDotProductAttention(MegatronModule):
                                    attention_mask)
 
 
+class LeanDotProductAttention(DotProductAttention):
+    """megatron's local `DotProductAttention` with its per-call work trimmed, bit for bit.
+
+    In the plain case (causal self-attention without a mask argument, vanilla softmax, no
+    window, no layer scaling, scores not in fp16/bf16, no dropout active) megatron's forward
+    forks the model-parallel RNG stream around a dropout of p = 0 (three state copies and a
+    comparison per call, and the stream unchanged after), takes the score buffer from a global
+    pool and goes through its softmax module; here the same kernels run on the same operands
+    in the same order, without that: the baddbmm that scales the scores, the causal mask
+    filled with megatron's -10000, softmax, bmm. On the CPU demo's model that is ~0.1 ms of a
+    layer's forward and backward (8 micro-batches x 2 layers per update). Every other case is
+    megatron's forward.
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        sms = self.scale_mask_softmax
+        plain = (attention_mask is None and attention_bias is None and packed_seq_params is None
+                 and self.softmax_offset is None and sms.scale is None and sms.window_size is None
+                 and not sms.input_in_float16 and sms.attn_mask_type == AttnMaskType.causal
+                 and not (self.training and self.attention_dropout.p > 0))
+        if not plain:
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+        return unfused_causal_attention(query, key, value, self.softmax_scale)
+
+
+def unfused_causal_attention(query: Tensor, key: Tensor, value: Tensor, softmax_scale: float
+                             ) -> Tensor:
+    """megatron's unfused attention: query [sq, b, np, hn], key/value [sk, b, ng, hn] (GQA groups
+    repeated as megatron repeats them). Returns [sq, b, np * hn]."""
+    from megatron.core.fusions import fused_softmax
+
+    sq, b, heads, hn = query.shape
+    sk, rep = key.shape[0], heads // key.shape[2]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+    q = query.reshape(sq, b * heads, hn).transpose(0, 1)                  # [b*np, sq, hn]
+    k = key.reshape(sk, b * heads, hn).transpose(0, 1).transpose(1, 2)    # [b*np, hn, sk]
+    scores = torch.baddbmm(q.new_empty(b * heads, sq, sk), q, k, beta=0.0, alpha=softmax_scale)
+    scores = scores.view(b, heads, sq, sk)
+    if sq > 1:  # megatron masks only then (one query: a decode step of a KV cache)
+        scores = scores.masked_fill_(fused_softmax.get_default_causal_mask(sq), -10000.0)
+    probs = torch.softmax(scores, dim=-1).view(b * heads, sq, sk)
+    context = torch.bmm(probs, value.reshape(sk, b * heads, hn).transpose(0, 1))
+    return context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous().view(sq, b, heads * hn)
+
+
 # ----------------------------------------------------------------------------- layer specs
 
 def replace_core_attention(spec, attention_cls=CPDotProductAttention):
@@ -302,8 +353,11 @@ def replace_core_attention(spec, attention_cls=CPDotProductAttention):
 def local_spec_attention(spec, *, cp_size: int, packed: bool):
     """The local spec with the core attention this layout needs: megatron's DotProductAttention
     refuses CP > 1 and packed (THD) sequences, `CPDotProductAttention` takes both (and is
-    megatron's math otherwise). Used by the model provider and the partition tests alike."""
-    return replace_core_attention(spec) if cp_size > 1 or packed else spec
+    megatron's math otherwise); the rest get `LeanDotProductAttention` (megatron's, less per-call
+    work). Used by the model provider and the partition tests alike."""
+    if cp_size > 1 or packed:
+        return replace_core_attention(spec)
+    return replace_core_attention(spec, LeanDotProductAttention)
 
 
 def gpt_layer_spec_with_cp_attention(**local_spec_kwargs):

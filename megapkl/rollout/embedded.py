@@ -426,8 +426,10 @@ class EmbeddedEngine(RolloutEngine):
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]
+            # the rows where a prompt's n responses begin (a chunk may start inside a group)
+            firsts = [r for r in range(len(chunk)) if r == 0 or (start + r) % n == 0]
             outs = self._generate_rows([p.prompt_ids for p, _ in chunk], sampling,
-                                       draws[start:start + len(chunk)])
+                                       draws[start:start + len(chunk)], firsts)
             for (prompt, group), uid, out in zip(chunk, uids[start:], outs):
                 samples.append(self._make_sample(prompt, group, uid, out, sampling))
         return samples
@@ -448,6 +450,11 @@ class EmbeddedEngine(RolloutEngine):
                 raise ValueError(f"prompts[{i}]: {p.prompt_ids.numel()} prompt tokens + "
                                  f"max_new_tokens {sampling.max_new_tokens} exceed the model's "
                                  f"max_position_embeddings ({limit})")
+        ids = torch.cat([p.prompt_ids.reshape(-1) for p in prompts])
+        low, high = torch.aminmax(ids) if ids.numel() else (0, 0)  # one read for the call
+        if int(low) >= 0 and int(high) < self.config.vocab_size:
+            return
+        for i, p in enumerate(prompts):
             bad = (p.prompt_ids < 0) | (p.prompt_ids >= self.config.vocab_size)
             if bool(bad.any()):
                 raise ValueError(f"prompts[{i}]: token ids outside the vocabulary "
@@ -468,11 +475,13 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()  # not inference_mode: Sample tensors must be usable in autograd later
     def _generate_rows(self, prompt_ids: list[Tensor], sampling: SamplingParams,
-                       draws: Tensor) -> list[dict]:
+                       draws: Tensor, firsts: Optional[list[int]] = None) -> list[dict]:
         """Decode one left-padded batch; returns per row the response and its per-token records.
-        `draws`: int64 [rows], each row's seed (its step-t uniform: seeds.uniforms(draws, t))."""
+        `draws`: int64 [rows], each row's seed (its step-t uniform: seeds.uniforms(draws, t)).
+        `firsts`: the rows where a run of rows with one prompt begins (a group's responses);
+        each such prompt is prefilled once and its cache copied to its rows."""
         batch = len(prompt_ids)
-        ids, mask, pos = self._left_pad(prompt_ids)
+        firsts = list(range(batch)) if firsts is None else firsts
         want_experts = sampling.return_routed_experts
         if self._recorder is not None:
             self._recorder.reset(active=want_experts)
@@ -481,7 +490,7 @@ class EmbeddedEngine(RolloutEngine):
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(finished)
         lengths = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        out = self._forward(ids, mask, pos, cache=None)
+        out, mask, pos = self._prefill(prompt_ids, firsts)
         for t in range(sampling.max_new_tokens):
             logp = step_logprobs(out.logits[:, -1], sampling)
             token = draw(logp, sampling, None if sampling.greedy else uniforms(draws, t))
@@ -497,6 +506,26 @@ class EmbeddedEngine(RolloutEngine):
             pos = pos[:, -1:] + 1
             out = self._forward(token[:, None], mask, pos, cache=out.past_key_values)
         return self._split_rows(prompt_ids, steps, lengths, stopped, want_experts)
+
+    def _prefill(self, prompt_ids: list[Tensor], firsts: list[int]):
+        """The prompts' forward pass, once per distinct prompt (rows `firsts`), then its cache,
+        last logits, attention mask and positions copied to every row of its run, as a prefix
+        cache shares a prompt among its samples (SGLang's radix cache does). A row's values are
+        those a pass over all rows gives: each row's computation is its own, the premise of a
+        layout changing no sample (a data-parallel rank generates a share of the groups). Not
+        so in a mixture-of-experts model, whose experts multiply the tokens routed to them
+        together (their sums then depend on the batch): there every row is prefilled."""
+        if self.is_moe:
+            firsts = list(range(len(prompt_ids)))
+        ids, mask, pos = self._left_pad([prompt_ids[r] for r in firsts])
+        out = self._forward(ids, mask, pos, cache=None)
+        if len(firsts) == len(prompt_ids):
+            return out, mask, pos
+        runs = torch.tensor(firsts[1:] + [len(prompt_ids)]) - torch.tensor(firsts)
+        index = torch.repeat_interleave(torch.arange(len(firsts)), runs).to(self.device)
+        out.past_key_values.batch_select_indices(index)
+        out.logits = out.logits.index_select(0, index)
+        return out, mask.index_select(0, index), pos.index_select(0, index)
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
         from transformers import DynamicCache
@@ -538,16 +567,19 @@ class EmbeddedEngine(RolloutEngine):
     def _split_rows(self, prompt_ids: list[Tensor], steps: list[dict[str, Tensor]], lengths: Tensor,
                     stopped: Tensor, want_experts: bool) -> list[dict]:
         """Per-row dicts from the per-step batch records (each row keeps its first R_b steps)."""
-        stacked = {key: torch.stack([s[key] for s in steps], dim=1) for key in steps[0]}
+        # each row's own copy (a view would carry the whole batch's storage wherever a sample
+        # is pickled); a row that ran every step is copied whole, without a slice
+        per_row = {key: torch.stack([s[key] for s in steps], dim=1).unbind(0) for key in steps[0]}
+        own = lambda t, r: t.clone() if r == len(steps) else t[:r].clone()  # noqa: E731
         width = max(int(p.numel()) for p in prompt_ids)
         rows = []
         for b, (prompt, r, stop) in enumerate(zip(prompt_ids, lengths.tolist(), stopped.tolist())):
-            row = {"response_ids": stacked["token"][b, :r].clone(),
-                   "logp": stacked["logp"][b, :r].clone(),
+            row = {"response_ids": own(per_row["token"][b], r),
+                   "logp": own(per_row["logp"][b], r),
                    "finish": "stop" if stop else "length"}
-            if "topk_ids" in stacked:
-                row["topk_ids"] = stacked["topk_ids"][b, :r].clone()
-                row["topk_logp"] = stacked["topk_logp"][b, :r].clone()
+            if "topk_ids" in per_row:
+                row["topk_ids"] = own(per_row["topk_ids"][b], r)
+                row["topk_logp"] = own(per_row["topk_logp"][b], r)
             if want_experts:
                 row["experts"] = self._row_experts(b, int(prompt.numel()), width, r)
             rows.append(row)

@@ -119,7 +119,7 @@ def test_gpu_without_te_plan_runs_and_matches_cpu(dist_run, dense_ckpt):
     logits and gradients as the CPU plan (megatron's unfused attention), and HF's logits."""
     (cpu_logits, cpu_grads, cpu_attn), (gpu_logits, gpu_grads, gpu_attn) = \
         dist_run(_plans_worker, 1, dense_ckpt)[0]
-    assert gpu_attn == {"SDPAttention"} and cpu_attn == {"DotProductAttention"}
+    assert gpu_attn == {"SDPAttention"} and cpu_attn == {"LeanDotProductAttention"}
     torch.testing.assert_close(gpu_logits, cpu_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gpu_logits, dense_ckpt.logits, rtol=1e-4, atol=1e-4)
     assert cpu_grads.keys() == gpu_grads.keys()

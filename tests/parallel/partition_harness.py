@@ -45,9 +45,10 @@ def model_config(tp=1, pp=1, cp=1, sp=False, ep=0):
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True, **moe)
 
 
-def block_spec(config, cp=1, packed=False, moe=False):
+def block_spec(config, cp=1, packed=False, moe=False, megatron_attention=False):
     """megatron's local spec with the core attention the provider picks for this layout
-    (`local_spec_attention`) and the provider's Qwen RMSNorm (sequence-parallel aware)."""
+    (`local_spec_attention`; with `megatron_attention` megatron's own DotProductAttention) and
+    the provider's Qwen RMSNorm (sequence-parallel aware)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -55,8 +56,9 @@ def block_spec(config, cp=1, packed=False, moe=False):
     from megapkl.parallel.cp_attention import local_spec_attention
 
     layer = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, normalization="RMSNorm")
-    layer = _replace_norms(local_spec_attention(layer, cp_size=cp, packed=packed),
-                           WrappedTorchNorm, QwenRMSNorm)
+    if not megatron_attention:
+        layer = local_spec_attention(layer, cp_size=cp, packed=packed)
+    layer = _replace_norms(layer, WrappedTorchNorm, QwenRMSNorm)
     count = LAYERS // config.pipeline_model_parallel_size
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
@@ -74,7 +76,7 @@ def reference_model(moe=False):
 
     init_parallel(seed=SEED)
     config = model_config(ep=1 if moe else 0)
-    return gpt(config, block_spec(config, moe=moe))
+    return gpt(config, block_spec(config, moe=moe, megatron_attention=True))
 
 
 # ----------------------------------------------------------------------------- weights

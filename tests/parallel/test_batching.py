@@ -95,6 +95,9 @@ def test_a_shard_with_a_broken_layout_is_refused_naming_the_field():
         ("positions", pos.clamp(max=1), "positions", "positions"),
         ("positions", pos + 1, "positions", "positions"),
         ("positions", pos - 1, "positions", "positions"),
+        # far outside the ranges: a shard check keyed on (response, position) must not wrap
+        ("response_index", torch.where(ridx == 0, 2**32, ridx), "response_index", "response_index"),
+        ("positions", torch.where(ridx == 2, pos + 2**33, pos), "positions", "positions"),
     ]
     for field, value, shard, whole in cases:
         bad = dataclasses.replace(tb, **{field: value})

@@ -121,3 +121,56 @@ def test_padding_mask_and_gqa_at_cp2(dist_run):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         for a, b in zip(got_g, want_g):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lean_attention_is_megatrons_bit_for_bit(dist_run):
+    """LeanDotProductAttention (the CPU spec's core attention at CP=1) gives megatron's
+    DotProductAttention's output and q/k/v gradients bit for bit (GQA and not, one query, a
+    bf16 config, training with and without dropout), and leaves the RNG streams as megatron's
+    leaves them; the cases it does not take (dropout, bf16, a mask) are megatron's own forward."""
+    def worker(rank, world_size):
+        import dataclasses
+
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+        from megapkl.parallel import cp_attention as CA
+        from megapkl.parallel.groups import init_parallel
+
+        init_parallel(seed=H.SEED)
+        taken = []
+        lean_math = CA.unfused_causal_attention
+        CA.unfused_causal_attention = lambda *a: taken.append(True) or lean_math(*a)
+        g = torch.Generator().manual_seed(11)
+        results = []
+        for groups, (sq, b), dropout, bf16, mask in [
+                (2, (6, 3), 0.0, False, False), (4, (5, 2), 0.0, False, False),
+                (2, (1, 4), 0.0, False, False), (2, (6, 3), 0.3, False, False),
+                (2, (6, 3), 0.0, True, False), (2, (6, 3), 0.0, False, True)]:
+            cfg = dataclasses.replace(H.model_config(), num_query_groups=groups,
+                                      attention_dropout=dropout, bf16=bf16)
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            hn = cfg.kv_channels
+            q0 = torch.randn(sq, b, H.HEADS, hn, generator=g).to(dtype)
+            k0, v0 = (torch.randn(sq, b, groups, hn, generator=g).to(dtype) for _ in range(2))
+            up = torch.randn(sq, b, H.HEADS * hn, generator=g).to(dtype)
+            m = torch.rand(b, 1, sq, sq, generator=g) < 0.3 if mask else None
+            outs, taken[:] = [], []
+            for cls in (DotProductAttention, CA.LeanDotProductAttention):
+                torch.manual_seed(5)
+                tensor_parallel.model_parallel_cuda_manual_seed(5)
+                attn = cls(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                           attention_type="self").train()
+                q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+                out = attn(q, k, v, m)
+                out.backward(up)
+                outs.append((out.detach(), q.grad, k.grad, v.grad, torch.get_rng_state(),
+                             tensor_parallel.get_cuda_rng_tracker().get_states()))
+            (ref, mine) = outs
+            same = all(torch.equal(x, y) for x, y in zip(ref[:5], mine[:5]))
+            same = same and all(torch.equal(ref[5][n], mine[5][n]) for n in ref[5])
+            results.append((same, bool(taken)))
+        return results
+
+    plain, fallback = (True, True), (True, False)
+    assert dist_run(worker, 1) == [[plain, plain, plain, fallback, fallback, fallback]]

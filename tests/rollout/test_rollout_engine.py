@@ -178,6 +178,39 @@ def test_a_groups_samples_do_not_depend_on_the_rest_of_the_call(dense_model):
     assert key(other) != key(whole[:4])
 
 
+def test_a_groups_prompt_is_prefilled_once_with_the_same_samples(dense_model):
+    """The n responses of a prompt share its prefill (one row in the prompts' forward pass, its
+    cache copied to the n rows): the samples a prefill of every row gives, the log-probs to the
+    round-off that another batch composition gives too (the kernels' sums depend on the batch's
+    shape: see the test above); a chunk that starts inside a group (max_batch_size 3, groups of
+    4) prefills that prompt again. Each sample's tensors hold their own storage."""
+    sampling = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=STOPS,
+                              topk_logprobs=3, prompt_seeds=(7, 8, 9))
+    runs = {}
+    for shared in (True, False):
+        engine = engine_for(dense_model, max_batch_size=3)
+        prefill, forward, rows = engine._prefill, engine._forward, []
+        if not shared:
+            engine._prefill = lambda prompt_ids, firsts: prefill(  # noqa: E731
+                prompt_ids, list(range(len(prompt_ids))))
+
+        def counted(ids, mask, pos, cache, forward=forward, rows=rows):
+            if cache is None:  # the prompts' pass
+                rows.append(ids.shape[0])
+            return forward(ids, mask, pos, cache)
+        engine._forward = counted
+        runs[shared] = (engine.generate(PROMPTS, 4, sampling), rows)
+    (shared, shared_rows), (each, each_rows) = runs[True], runs[False]
+    assert each_rows == [3, 3, 3, 3] and shared_rows == [1, 2, 2, 1]  # rows 0-2, 3-5, 6-8, 9-11
+    for a, b in zip(shared, each):
+        assert a.finish_reason == b.finish_reason
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.topk_ids, b.topk_ids)
+        torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.topk_logp, b.topk_logp, atol=1e-5, rtol=0)
+        for t in (a.response_ids, a.logp_behav, a.topk_ids, a.topk_logp):  # no batch storage
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def test_inverse_cdf_draw_follows_the_kept_distribution():
     """sampling.draw with one uniform per row: token frequencies match the (truncated)
     probabilities within sampling error, and masked tokens are never drawn."""
