@@ -29,6 +29,7 @@ from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingP
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sampling import draw, step_logprobs, top_logprobs
 from megapkl.rollout.seeds import row_seeds, uniforms
+from megapkl.rollout.version_store import StoredVersion
 
 ConfigLike = Union[str, os.PathLike, dict, Any]
 
@@ -343,6 +344,8 @@ class EmbeddedEngine(RolloutEngine):
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
+        if isinstance(named_tensors, StoredVersion):
+            copy = False  # each tensor is read from the file into memory nobody else holds
         if self.fp8:
             named_tensors = FP8.fake_quant_fp8(named_tensors, self.dtype, self.fp8_block)
         else:  # an FP8 stream (weight + weight_scale_inv) is dequantized, plain tensors pass

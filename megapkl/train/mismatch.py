@@ -144,15 +144,21 @@ def counted_rows(mb, fresh_uids: Tensor, *, tp_rank: int = 0, tp_size: int = 1,
     return keep.transpose(0, 1).reshape(-1)
 
 
-def field_parts(micro_batches, field: str, fresh_uids: Tensor) -> tuple[Tensor, Tensor]:
+def field_parts(micro_batches, field: str, fresh_uids: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """`mismatch_parts` of this rank's fresh action tokens, from the micro-batches' per-token
-    fields: the learner's log-probs in `field` against the engine's `logp_behav`."""
+    fields: the learner's log-probs in `field` against the engine's `logp_behav`. `fresh_uids`
+    None: every response is fresh (on-policy), every action token counts."""
     sums = torch.zeros(len(_FIELDS), dtype=torch.float64)
     top = torch.zeros(1, dtype=torch.float64)
     for mb in micro_batches:
-        keep = fresh_tokens(mb, fresh_uids)
-        if field not in mb.fields or not bool(keep.any()):
-            continue
+        if fresh_uids is None:
+            keep = mb.loss_mask.bool()
+            if field not in mb.fields or mb.num_action_tokens == 0:
+                continue
+        else:
+            keep = fresh_tokens(mb, fresh_uids)
+            if field not in mb.fields or not bool(keep.any()):
+                continue
         d = (mb.fields[field][keep].double() - mb.fields["logp_behav"][keep].double()).cpu()
         a = d.abs()
         sums += torch.stack([torch.tensor(float(d.numel()), dtype=torch.float64),
@@ -240,7 +246,8 @@ def exact_version_metrics(learner, minibatch, micro_batches, version: int, *,
         with learner.own_routing() as own:
             learner.fill_logprobs(micro_batches, "logp_live")
         field = field or "logp_live"
-    uids = torch.tensor([s.uid for s in fresh], dtype=torch.int64, device=groups.device)
+    uids = None if len(fresh) == len(minibatch) else \
+        torch.tensor([s.uid for s in fresh], dtype=torch.int64, device=groups.device)
     sums, top = field_parts(micro_batches, field, uids)
     owner = groups.is_last_pp_stage and groups.tp_rank == 0  # TP ranks hold the same values
     if not owner:

@@ -416,6 +416,43 @@ def test_all_gather_is_a_copy_on_one_rank(dist_run):
         assert same == [True, True] and ran, ran
 
 
+def reductions(rank, world_size):
+    """Patch 10: a synchronous all_reduce (sum, max, min) or broadcast over a one-rank group
+    changes nothing and runs nothing; two ranks run gloo's; an op that would change the value
+    (product of one rank: unchanged too, but not taken), an asynchronous call and a wrong
+    source go to torch as before."""
+    import torch.distributed as dist
+
+    x = torch.arange(10, dtype=torch.float32) + rank
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        s, m = x.clone(), x.clone()
+        dist.all_reduce(s)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        b = x.clone()
+        dist.broadcast(b, src=0)
+    ran = sorted({e.name for e in prof.events() if e.name.startswith("c10d::")})
+    base = torch.arange(10, dtype=torch.float32)
+    values = [torch.equal(s, base * world_size + sum(range(world_size))),
+              torch.equal(m, base + world_size - 1), torch.equal(b, base)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(x.clone(), op=dist.ReduceOp.PRODUCT)
+        dist.all_reduce(x.clone(), async_op=True).wait()
+    taken = sorted({e.name for e in prof.events() if e.name.startswith("c10d::")})
+    try:
+        dist.broadcast(x.clone(), src=world_size)
+        wrong_src = "accepted"
+    except (ValueError, RuntimeError):
+        wrong_src = "refused"
+    return values, ran, taken, wrong_src
+
+
+def test_all_reduce_and_broadcast_run_nothing_on_one_rank(dist_run):
+    ((values, ran, taken, wrong_src),) = dist_run(reductions, 1)
+    assert values == [True] * 3 and ran == [] and taken and wrong_src == "refused", (ran, taken)
+    for values, ran, taken, wrong_src in dist_run(reductions, 2):
+        assert values == [True] * 3 and ran and wrong_src == "refused", ran
+
+
 def moe_gpt(ep, dispatcher):
     """Tiny MoE GPT (SequentialMLP, 4 experts, top-2): needs the te_general_gemm fix on CPU."""
     from megatron.core.models.gpt import GPTModel
