@@ -513,11 +513,11 @@ class EmbeddedEngine(RolloutEngine):
     def _prefill(self, prompt_ids: list[Tensor], firsts: list[int]):
         """The prompts' forward pass, once per distinct prompt (rows `firsts`), then its cache,
         last logits, attention mask and positions copied to every row of its run, as a prefix
-        cache shares a prompt among its samples (SGLang's radix cache does). A row's values are
-        those a pass over all rows gives: each row's computation is its own, the premise of a
-        layout changing no sample (a data-parallel rank generates a share of the groups). Not
-        so in a mixture-of-experts model, whose experts multiply the tokens routed to them
-        together (their sums then depend on the batch): there every row is prefilled."""
+        cache shares a prompt among its samples (SGLang's radix cache does). A row gets the
+        values of a pass over all rows, up to the round-off by which two batch shapes differ
+        already (bit for bit on the CPU demo's task; docs/engines.md). A mixture-of-experts
+        model prefills every row: its experts multiply the tokens routed to them together, and
+        with fewer rows the tiny MoE's log-probs moved even on the demo's task."""
         if self.is_moe:
             firsts = list(range(len(prompt_ids)))
         ids, mask, pos = self._left_pad([prompt_ids[r] for r in firsts])
