@@ -478,13 +478,12 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()  # not inference_mode: Sample tensors must be usable in autograd later
     def _generate_rows(self, prompt_ids: list[Tensor], sampling: SamplingParams,
-                       draws: Tensor, firsts: Optional[list[int]] = None) -> list[dict]:
+                       draws: Tensor, firsts: list[int]) -> list[dict]:
         """Decode one left-padded batch; returns per row the response and its per-token records.
         `draws`: int64 [rows], each row's seed (its step-t uniform: seeds.uniforms(draws, t)).
         `firsts`: the rows where a run of rows with one prompt begins (a group's responses);
         each such prompt is prefilled once and its cache copied to its rows."""
         batch = len(prompt_ids)
-        firsts = list(range(batch)) if firsts is None else firsts
         want_experts = sampling.return_routed_experts
         if self._recorder is not None:
             self._recorder.reset(active=want_experts)

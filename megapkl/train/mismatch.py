@@ -151,14 +151,11 @@ def field_parts(micro_batches, field: str, fresh_uids: Optional[Tensor]) -> tupl
     sums = torch.zeros(len(_FIELDS), dtype=torch.float64)
     top = torch.zeros(1, dtype=torch.float64)
     for mb in micro_batches:
-        if fresh_uids is None:
-            keep = mb.loss_mask.bool()
-            if field not in mb.fields or mb.num_action_tokens == 0:
-                continue
-        else:
-            keep = fresh_tokens(mb, fresh_uids)
-            if field not in mb.fields or not bool(keep.any()):
-                continue
+        if field not in mb.fields:
+            continue
+        keep = mb.loss_mask.bool() if fresh_uids is None else fresh_tokens(mb, fresh_uids)
+        if not bool(keep.any()):
+            continue
         d = (mb.fields[field][keep].double() - mb.fields["logp_behav"][keep].double()).cpu()
         a = d.abs()
         sums += torch.stack([torch.tensor(float(d.numel()), dtype=torch.float64),
