@@ -74,6 +74,13 @@ class Reward:
         self.close()
 
 
+def last_action_ids(sample: Sample) -> torch.Tensor:
+    """The ids of the policy's last turn: the whole response when it is single-turn."""
+    if sample.segments is None:
+        return sample.response_ids
+    return sample.response_ids[sample.response_len - sample.segments[-1].length:]
+
+
 def response_text(sample: Sample, tokenizer: Any) -> str:
     if sample.response_text is not None:
         return sample.response_text
@@ -120,7 +127,8 @@ class SyntheticReward(Reward):
     """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`).
     A task with partial credit (`task.fraction_correct(ids, answer)` in [0, 1], e.g. count_up_8)
     scores incorrect + (correct - incorrect) * fraction, and `correct` only when all of it is right,
-    so `accuracy` still counts fully correct responses."""
+    so `accuracy` still counts fully correct responses. The task reads the policy's last turn
+    (the whole response when it is single-turn; never an observation)."""
 
     def __init__(self, task: Any, correct: float = 1.0, incorrect: float = -1.0):
         super().__init__(correct, incorrect)
@@ -128,7 +136,7 @@ class SyntheticReward(Reward):
 
     def is_correct(self, sample: Sample) -> bool:
         try:
-            return bool(self.task.is_correct(sample.response_ids, sample.answer))
+            return bool(self.task.is_correct(last_action_ids(sample), sample.answer))
         except Exception as e:  # a task bug must not look like a crash of the run either
             log.debug("synthetic reward: %s", e)
             return False
@@ -138,7 +146,7 @@ class SyntheticReward(Reward):
         if fraction is None or self.is_correct(sample):
             return super().score(sample)
         try:
-            f = float(fraction(sample.response_ids, sample.answer))
+            f = float(fraction(last_action_ids(sample), sample.answer))
         except Exception as e:
             log.debug("synthetic reward: %s", e)
             return self.incorrect
