@@ -1,8 +1,8 @@
 """The lookup tool of the CPU toy task `lookup_kv` (`megapkl.rollout.synthetic.LookupKV`).
 
-After the policy's first turn: a tool call (its first token of class 10) gets the prompt key's
-value inserted as "=v"; any other first turn is the policy's answer, and the trajectory ends. The
-turn budget (env.max_turns 2, env.max_turn_tokens 1) ends it after the second turn.
+After the policy's first turn: a tool call (`LookupKV.calls_tool`) gets the prompt key's value
+inserted as "=v"; any other first turn is the policy's answer, and the trajectory ends. The turn
+budget (env.max_turns 2, env.max_turn_tokens 1) ends it after the second turn.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ class LookupEnv(Environment):
         self.task = task
 
     def step(self, turn: Turn) -> Observation | End:
-        ids = turn.last_action_ids.tolist()
-        if turn.turn > 1 or self.task.token_class(ids[0]) != LookupKV.TOOL:
+        if turn.turn > 1 or not self.task.calls_tool(turn.last_action_ids.tolist()):
             return End("answer")
         key = self.task.key(turn.prompt_text or "")
         if key is None:

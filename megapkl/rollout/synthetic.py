@@ -213,17 +213,17 @@ class LookupKV:
     The prompt says nothing about the value, and a tiny model cannot store 10,000 random digits,
     so answering straight from the prompt is right by chance alone.
 
-    Each turn is one token, read as in add_mod10's "token_class" mode but over 11 classes: token
-    id v spells class (v - 48) mod 11, the digits 0-9 and class 10, the tool call (':' is one of its
-    spellings). Turn 1: a digit class answers; the tool call makes the environment insert "=v"
-    (the key's value) and the policy takes turn 2, whose class is its answer. So a uniform policy
-    calls the tool 1/11 of the time and is right about 9% of the time either way; what RL must
-    learn is to call the tool, then copy the digit it returned. `is_correct` reads the policy's
-    last turn (the reward gets the last action's ids).
+    Each turn is one token, read as in add_mod10's "token_class" mode (token id v spells digit
+    (v - 48) mod 10; PAD, BOS and EOS spell nothing). At the first turn, a token from the upper
+    part of the vocabulary (id >= 80: 'P'..'~' and beyond) is instead the tool call: the
+    environment inserts "=v" (the key's value) and the policy answers at a second turn. So a
+    uniform policy calls the tool 38% of the time and is right 10% of the time either way; what
+    RL must learn is to call the tool, then copy the digit it returned. `is_correct` reads the
+    policy's last turn (the reward gets the last action's ids).
     """
 
     name = "lookup_kv"
-    TOOL = 10  # the class of the tool call
+    TOOL_FROM = 80  # first-turn tokens from this id on call the tool
     tokenizer = CharTokenizer()
 
     def __init__(self, digits: int = 4, seed: int = 1234):
@@ -245,25 +245,26 @@ class LookupKV:
         return [SyntheticProblem(f"#{k:0{self.digits}d}", self.value(k))
                 for k in range(10 ** self.digits)]
 
+    def calls_tool(self, first_turn: Sequence[int]) -> bool:
+        """Is this first turn the tool call?"""
+        return bool(first_turn) and int(first_turn[0]) >= self.TOOL_FROM
+
     @staticmethod
-    def token_class(token: int) -> Optional[int]:
-        """0-9 (a digit), 10 (the tool call), or None (PAD, BOS, EOS spell nothing)."""
-        return None if token in (PAD_ID, BOS_ID, EOS_ID) else (token - ord("0")) % 11
+    def digit(token: int) -> Optional[str]:
+        return None if token in (PAD_ID, BOS_ID, EOS_ID) else str((token - ord("0")) % 10)
 
     def extract(self, response_ids: Union[Sequence[int], torch.Tensor]) -> Optional[str]:
-        """The digit a turn answers (its first token's class), or None (the tool call, nothing)."""
+        """The digit a turn answers (its first token's), or None (nothing, or a tool call that
+        got no answer: a one-turn response)."""
         ids = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else list(response_ids)
-        c = self.token_class(ids[0]) if ids else None
-        return None if c is None or c == self.TOOL else str(c)
+        return self.digit(ids[0]) if ids else None
 
     def is_correct(self, response_ids, answer: str) -> bool:
         return self.extract(response_ids) == answer
 
     def chance_accuracy(self, max_response_len: int = 4, vocab_size: int = 128) -> float:
-        """A uniform policy's accuracy: a digit class at turn 1, or the tool then a digit."""
-        spell = (vocab_size - 3) / vocab_size
-        digit, tool = spell * 10 / 11, spell / 11
-        return digit / 10 + tool * digit / 10
+        """A uniform policy's accuracy: one in ten either way (spelling tokens only)."""
+        return (vocab_size - 3) / vocab_size / 10
 
 
 SYNTHETIC_TASKS = {"add_mod10": AddMod10, "next_mod10": NextMod10,

@@ -18,6 +18,8 @@ inserted only when a next action has room, so a response always ends with an act
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -245,6 +247,14 @@ class TurnDriver:
         self._pool = cf.ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="megapkl-tool")
 
+    def limited(self, max_response_tokens: int) -> "TurnDriver":
+        """This driver (the same environment and tool threads) with another response budget
+        (an evaluation's); closing it closes nothing."""
+        view = copy.copy(self)
+        view.budgets = dataclasses.replace(self.budgets, max_response_tokens=max_response_tokens)
+        view.close = lambda: None
+        return view
+
     # ---- budgets
 
     def turn_tokens(self, traj: Trajectory) -> int:
@@ -366,3 +376,33 @@ def _origin(prompt: PromptItem) -> str:
     if "source" in meta and "line" in meta:
         return f"prompt {meta['source']}:{meta['line']}"
     return "a prompt" if prompt.text is None else f"prompt {prompt.text[:40]!r}"
+
+
+# ------------------------------------------------------------------ per-update metrics
+
+def trajectory_sums(samples: Sequence[Sample]) -> list[float]:
+    """Sums over `samples` (mergeable over ranks) that `trajectory_metrics` turns into means:
+    trajectories, turns, those that called a tool, tool calls, invalid actions, action and
+    observation tokens, seconds spent in the environment's steps, environment failures."""
+    out = [0.0] * 9
+    for s in samples:
+        segs = s.segments or ()
+        calls = sum(g.kind == OBSERVATION and g.source == "tool" for g in segs)
+        info = s.metadata.get("trajectory", {})
+        out = [a + b for a, b in zip(out, (
+            1, s.turns, calls > 0, calls,
+            sum(g.kind == OBSERVATION and g.source == "invalid" for g in segs),
+            s.num_actions, s.response_len - s.num_actions, info.get("tool_seconds", 0.0),
+            ENV_ERROR_KEY in s.metadata))]
+    return out
+
+
+def trajectory_metrics(sums: Sequence[float]) -> dict[str, float]:
+    """turns/mean, tool/call_rate (trajectories that called a tool), tool/calls, tool/invalid
+    (per trajectory), tokens/action, tokens/observation (per trajectory), tool/seconds (per
+    call), env/errors (count)."""
+    n, turns, called, calls, invalid, act, obs, seconds, errors = sums
+    n = max(n, 1.0)
+    return {"turns/mean": turns / n, "tool/call_rate": called / n, "tool/calls": calls / n,
+            "tool/invalid": invalid / n, "tokens/action": act / n, "tokens/observation": obs / n,
+            "tool/seconds": seconds / max(calls + invalid, 1.0), "env/errors": errors}

@@ -38,6 +38,7 @@ from megapkl.config.loader import dump_config
 from megapkl.parallel.groups import created_groups, release_groups
 from megapkl.parallel.threads import torch_threads
 from megapkl.rollout.rewards import ERROR_KEY
+from megapkl.rollout.turns import trajectory_metrics, trajectory_sums
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
 from megapkl.train.agree import Carried, RanksFailed, agreed
@@ -119,7 +120,8 @@ class Trainer:
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
             cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
             advantage=cfg.advantage, spec=self.learner.spec, replica=replica, layout=lay,
-            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, timers=self.timers,
+            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, env=cfg.env,
+            timers=self.timers,
             hold=context.hold, schedule=self.schedule, stopping=context.stopping),
             what="starting the rollouts")
         context.on_exit(self.rollouts.stop_ahead)  # its generation thread, before its engine
@@ -279,14 +281,19 @@ class Trainer:
                             sum(s.reward == correct for s in samples), sum(stale), tokens, failed],
                            dtype=torch.float64, device=device)
         top = torch.tensor([max(stale, default=0)], dtype=torch.float64, device=device)
+        if self.cfg.env.multi_turn:  # turns, tool calls, action / observation tokens
+            vec = torch.cat([vec, torch.tensor(trajectory_sums(samples), dtype=torch.float64,
+                                               device=device)])
         if self.groups.dp_size > 1:
             dist.all_reduce(vec, group=self.groups.dp)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        n, reward, right, stale_sum, tok, failed = vec.cpu().tolist()
+        (n, reward, right, stale_sum, tok, failed), more = vec[:6].cpu().tolist(), vec[6:].cpu()
         out = {"reward/mean": reward / n, "train/accuracy": right / n, "reward/errors": failed,
                "staleness/mean": stale_sum / n, "staleness/max": float(top.item()),
                "response_len/mean": tok / n,
                "tokens_per_s": tok / max(self.timers.totals["train"], 1e-9)}
+        if more.numel():
+            out.update(trajectory_metrics(more.tolist()))
         return {**out, **(self.rollouts.load_metrics() if plan.new_batch else {})}
 
     def count(self, u: int, metrics: dict, applied: bool) -> None:
@@ -363,7 +370,7 @@ class Trainer:
             cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
             out_dir=self.run_dir / "eval", dp=self.rollouts.replica.eval_share,
             versions=self.rollouts.versions, slot=self.rollouts.slot,
-            export=self.learner.export))
+            export=self.learner.export, turns=self.rollouts.turns))
 
     def _start_logs(self) -> MetricsLogger:
         """The metrics logger (rank 0 writes), after rank 0's announcement (agreed: the files)."""
