@@ -141,7 +141,7 @@ class Trajectory:
         self.finish, self.matched = "length", None
         self.end_reason: Optional[str] = None  # set when the trajectory is over
         self.error: Optional[str] = None
-        self.tool_seconds = 0.0
+        self.env_steps, self.env_seconds = 0, 0.0  # the environment's steps and their wall time
 
     @property
     def done(self) -> bool:
@@ -205,7 +205,8 @@ class Trajectory:
         versions = torch.cat(self.versions)
         metadata = dict(self.prompt.metadata)
         if multi or self.end_reason not in (None, "single"):
-            metadata["trajectory"] = {"end": self.end_reason, "tool_seconds": self.tool_seconds}
+            metadata["trajectory"] = {"end": self.end_reason, "env_steps": self.env_steps,
+                                      "env_seconds": self.env_seconds}
         if self.error is not None:
             metadata[ENV_ERROR_KEY] = self.error
         cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
@@ -304,7 +305,8 @@ class TurnDriver:
         try:
             return self.env.step(traj.turn())
         finally:
-            traj.tool_seconds += self.clock() - t0
+            traj.env_steps += 1
+            traj.env_seconds += self.clock() - t0
 
     def _apply(self, traj: Trajectory, step: Any) -> Optional[Tensor]:
         if isinstance(step, EnvError) or not isinstance(step, (Observation, End)):
@@ -383,8 +385,8 @@ def _origin(prompt: PromptItem) -> str:
 def trajectory_sums(samples: Sequence[Sample]) -> list[float]:
     """Sums over `samples` (mergeable over ranks) that `trajectory_metrics` turns into means:
     trajectories, turns, those that called a tool, tool calls, invalid actions, action and
-    observation tokens, seconds spent in the environment's steps, environment failures."""
-    out = [0.0] * 9
+    observation tokens, environment steps and their seconds, environment failures."""
+    out = [0.0] * 10
     for s in samples:
         segs = s.segments or ()
         calls = sum(g.kind == OBSERVATION and g.source == "tool" for g in segs)
@@ -392,17 +394,18 @@ def trajectory_sums(samples: Sequence[Sample]) -> list[float]:
         out = [a + b for a, b in zip(out, (
             1, s.turns, calls > 0, calls,
             sum(g.kind == OBSERVATION and g.source == "invalid" for g in segs),
-            s.num_actions, s.response_len - s.num_actions, info.get("tool_seconds", 0.0),
-            ENV_ERROR_KEY in s.metadata))]
+            s.num_actions, s.response_len - s.num_actions, info.get("env_steps", 0),
+            info.get("env_seconds", 0.0), ENV_ERROR_KEY in s.metadata))]
     return out
 
 
 def trajectory_metrics(sums: Sequence[float]) -> dict[str, float]:
     """turns/mean, tool/call_rate (trajectories that called a tool), tool/calls, tool/invalid
-    (per trajectory), tokens/action, tokens/observation (per trajectory), tool/seconds (per
-    call), env/errors (count)."""
-    n, turns, called, calls, invalid, act, obs, seconds, errors = sums
+    (per trajectory), tokens/action, tokens/observation (per trajectory), env/errors (count),
+    and time/env_step_s, the mean wall time of an environment step (a wall-clock field: it
+    alone differs between two runs of one config)."""
+    n, turns, called, calls, invalid, act, obs, steps, seconds, errors = sums
     n = max(n, 1.0)
     return {"turns/mean": turns / n, "tool/call_rate": called / n, "tool/calls": calls / n,
             "tool/invalid": invalid / n, "tokens/action": act / n, "tokens/observation": obs / n,
-            "tool/seconds": seconds / max(calls + invalid, 1.0), "env/errors": errors}
+            "time/env_step_s": seconds / max(steps, 1.0), "env/errors": errors}
