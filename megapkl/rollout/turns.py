@@ -357,9 +357,13 @@ class TurnDriver:
     def decode(self, ids: Tensor) -> str:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
-    def close(self) -> None:
-        """Stop the tool threads (a step still running finishes on its own; nothing waits)."""
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop the tool threads: idle ones end at once; one still inside a step is waited for
+        at most `wait_s` in all (a step bounded by its own timeouts ends soon after)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + wait_s
+        for t in list(getattr(self._pool, "_threads", ())):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         close = getattr(self.env, "close", None)
         if close is not None:
             close()
