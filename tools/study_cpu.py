@@ -222,6 +222,15 @@ FAMILIES.update({
 })
 FOLLOW_UP = ("clip_pilot", "clip", "sis_full", "tetpo_lr")
 
+# ---------------------------------------------------------------- the noise floor (declared 2026-12-07)
+# docs/study-cpu.md, "Noise floor": clip_k16's grpo and proximal_kl_eps_null arms, seeds 0-9, run
+# again with the same configs on a later commit; per seed, re-run minus committed (REPEATS) is what
+# re-executing the same config moves a run's value by, and every effect is printed beside it.
+FAMILIES["floor"] = Family("the noise floor: clip_k16's grpo and no-clip arms run again", (
+    _per("floor_k16", ("grpo", EPS_NULL), "rollout.max_staleness=16"),))
+REPEATS = {"floor_k16": "clip_k16"}  # re-run setting -> the committed setting it repeats
+FLOOR_EFFECT = ("proximal_kl_eps_null", "grpo")  # the paired effect re-estimated by the re-run
+
 
 # ---------------------------------------------------------------- run
 
@@ -239,6 +248,7 @@ def code_version() -> dict:
 
 
 def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
+    """Add the run of `arm` to the setting's records: the code version read when it started."""
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[f"{arm.method}/seed-{arm.seed}"] = {**version, "wall_s": round(wall, 1),
                                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -246,16 +256,29 @@ def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
     path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
 
 
+def one_by_one(records: Path, block: dict, config: str, arms) -> None:
+    """Train `arms` one at a time, each recorded with the code version read at its own start. This
+    process imported the code once, at the block's start: a commit or a tracked change made since
+    stops the block (start it again), so no run is recorded with code other than the code it ran."""
+    for arm in arms:
+        version = code_version()
+        now, then = ((v["commit"], v["local_changes"]) for v in (version, block))
+        if now != then:
+            raise SystemExit(f"[study] the code changed during this block (commit, local changes: "
+                             f"{then} at its start, {now} now); run the block again")
+        run_local(config, [arm], skip_finished=True,
+                  on_done=functools.partial(record, records, version))
+
+
 def run(out: Path, families: list[str], seeds: list[int]) -> None:
     if "clip" in families:
         check_eps_mid(out)
-    version = code_version()  # the code this block runs (imported once, at its start)
+    block = code_version()  # the code this process imported
     for fam in families:
         for s in FAMILIES[fam].settings:
             where = out / s.name
             print(f"[study] {s.name}: {', '.join(map(label, s.methods))} x seeds {seeds}", flush=True)
-            runner = functools.partial(run_local, skip_finished=True,
-                                       on_done=functools.partial(record, where / "runs.json", version))
+            runner = functools.partial(one_by_one, where / "runs.json", block)
             compare(BASE, s.methods, seeds, s.overrides, out=where, criteria=CRITERIA,
                     runner=runner)
             done = finished_seeds(where, s)  # this block's seeds and every earlier block's
