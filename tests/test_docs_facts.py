@@ -156,7 +156,7 @@ def test_what_validate_needs_is_what_it_checks(tmp_path):
     bad.write_text('{"prompt": "", "answer": 1}\n')
     problems = []
     cfg = load_config(REPO / "configs" / "demo" / "cpu_demo.yaml",
-                      [f"data.train_path={bad}", "data.synthetic=null", "reward.type=math", "eval.every=0",
-                       "eval.at_start=false", f"model.tokenizer={tmp_path / 'ckpt'}"])
+                      [f"data.train_path={bad}", "data.synthetic=null", "reward.type=math",
+                       "eval.every=0", "eval.at_start=false", f"model.tokenizer={tmp_path / 'ckpt'}"])
     check_local_files(cfg, tmp_path, lambda msg, key, *rel: problems.append((key, msg)))
     assert any(k == "data.train_path" and f"{bad}:1" in m for k, m in problems), problems

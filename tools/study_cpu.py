@@ -3,6 +3,7 @@
     python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
     python tools/study_cpu.py run OUT --family clip_pilot --seeds 100-101   # the follow-up's pilot
     python tools/study_cpu.py run OUT --family clip,sis_full,tetpo_lr --seeds 0-9  # the follow-up
+    python tools/study_cpu.py run OUT --family floor --seeds 0-9      # the noise floor's re-run
     python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
     python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
     python tools/study_cpu.py analyze docs/study-cpu --docs docs/study-cpu  # and refresh them
@@ -20,6 +21,11 @@ with this code, and written back with --docs; per-seed values are never changed.
 declared tests (paired differences and difference-in-differences by seed, paired t with Holm's
 adjustment within each family) and the verdict of each claim, the claims added after the results
 with theirs, the descriptive tests (one Holm family per setting) and the mechanism metrics.
+
+Every test is also printed on the final value (post hoc: no final-value test was declared), and
+every effect beside the noise floor (docs/study-cpu.md, "Noise floor": the family `floor` runs
+clip_k16's GRPO and no-clip arms again, and re-run minus committed per seed sets the floor) with
+the reading it allows. Each run's record holds the commit read at that run's start.
 
 The follow-up (docs/study-cpu.md, "Follow-up") adds the families clip_pilot, clip, sis_full and
 tetpo_lr: its claims are declared before its runs (`Family.declared`), and it averages metrics
