@@ -12,7 +12,8 @@ What changes from the documented commands is only what names the user's cluster 
 the run to a CPU: the model becomes its tiny twin (`/models/...` holds tiny Hugging Face checkpoints
 with a tokenizer), SGLang servers `megapkl serve` workers (FP8 where the config says so, as an
 FP8 SGLang server: it takes FP8 weights only), the parallel sizes, batch and lengths shrink,
-`--profile h100` becomes the local cluster's `local_cpu`, step numbers scale down. Data comes from the test fixtures in each source's layout (`--from-file`). Every command of
+`--profile h100` becomes the local cluster's `local_cpu`, step numbers scale down. Data comes
+from the test fixtures in each source's layout (`--from-file`). Every command of
 docs/experiments.md is in COVERAGE: run by a test here, or not testable here and why.
 """
 from __future__ import annotations
