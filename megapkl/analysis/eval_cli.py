@@ -200,6 +200,13 @@ def engine_weights(cfg, weights):
     return FP8Transform()(weights)
 
 
+def push_weights(engine, cfg, weights, version: int) -> None:
+    """Policy weights (HF names) outside training to the engine of run config `cfg`, transformed
+    as training transforms them (`engine_weights`): the one way `megapkl eval` and `megapkl
+    diagnose` load a policy into an engine."""
+    engine.update_weights(engine_weights(cfg, weights), version=version)
+
+
 def section_overrides(overrides: Sequence[str]) -> dict:
     """{'greedy': ..., 'n_samples': ...} from eval.greedy / eval.n_samples overrides."""
     from megapkl.config import parse_override
@@ -247,7 +254,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     try:  # the engine (and the SGLang servers it launched) is closed however this ends
         scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
         try:
-            engine.update_weights(engine_weights(cfg, weights), version=version)
+            push_weights(engine, cfg, weights, version)
             records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version,
                                seed=cfg.seed, scoring=scoring)
         finally:
