@@ -227,6 +227,15 @@ def apply_section_overrides(benches, given: dict, n_default: int) -> None:
             b.n_samples = given.get("n_samples", n_default)
 
 
+def run_turn_driver(cfg, tokenizer):
+    """The run's multi-turn environment driver (env section), or None for single-turn runs."""
+    from megapkl.envs import build_turn_driver
+    from megapkl.rollout.synthetic import make_synthetic_task
+
+    task = make_synthetic_task(cfg.data.synthetic) if cfg.data.synthetic else None
+    return build_turn_driver(cfg.env, cfg.rollout.max_response_len, tokenizer, task)
+
+
 def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[str] = (),
              step: Optional[int] = None, out: Optional[str] = None) -> dict:
     import json
@@ -251,15 +260,19 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg.rollout, cfg.model, spec, tokenizer, work_dir=cfg.run_dir,
                               seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1))  # one process
+    turns = None
     try:  # the engine (and the SGLang servers it launched) is closed however this ends
         scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
         try:
+            turns = run_turn_driver(cfg, tokenizer)  # multi-turn runs: their environment
             push_weights(engine, cfg, weights, version)
             records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version,
-                               seed=cfg.seed, scoring=scoring)
+                               seed=cfg.seed, scoring=scoring, turns=turns)
         finally:
             scoring.close()
     finally:
+        if turns is not None:
+            turns.close()
         engine.close()
     summary = {"step": version, "checkpoint": str(ckpt), **summarize_records(benches, records),
                "settings": settings(cfg.eval, cfg.rollout, benches)}
