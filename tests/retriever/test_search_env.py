@@ -145,7 +145,9 @@ def test_answer_em_reads_the_last_answer_the_policy_wrote():
     r = AnswerEMReward(correct=1.0, incorrect=0.0)
     good = sample(["<search>capital</search>", "<answer>the paris</answer>"])
     two = sample(["<answer>Lyon</answer>", "<answer>Paris</answer>"])
-    none = sample(["<search>capital</search>", "I do not know"])  # the prompt's example ignored
+    # no answer written: the prompt's example "<answer> x </answer>" is never read, even when
+    # it would match
+    none = sample(["<search>capital</search>", "I do not know"], golden=["x"])
     golden = sample(["<answer>City of Light</answer>"], golden=["Paris", "City of Light"])
     wrong_first = sample(["<answer>Paris</answer> <answer>Rome</answer>"])
     assert r([good, two, none, golden, wrong_first]).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
