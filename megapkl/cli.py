@@ -267,8 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megapkl.data.cli import add_subcommands as add_data  # data prepare, data list
     from megapkl.analysis.eval_cli import add_subcommands as add_eval  # eval
 
+    from megapkl.retriever.cli import add_subcommands as add_retriever  # retriever index|serve
+
     add_data(sub)
     add_eval(sub)
+    add_retriever(sub)
     return parser
 
 

@@ -275,10 +275,13 @@ def job_index_path() -> Path:
 
 def make_spec(prep: PreparedRun, prof: ClusterProfile, entry: str,
               entry_kwargs: Optional[Mapping[str, Any]], cwd: Path) -> LaunchSpec:
+    from megapkl.launch.retriever import to_env
+
     return LaunchSpec(run_dir=str(prep.run_dir), cwd=str(cwd),
                       config_file=str(prep.run_dir / "config.yaml"), entry=entry,
                       entry_kwargs=dict(entry_kwargs or {}), use_gpus=prof.uses_gpus,
-                      max_requeues=prof.max_requeues, preempt_grace_s=float(prof.preempt_grace_s))
+                      max_requeues=prof.max_requeues, preempt_grace_s=float(prof.preempt_grace_s),
+                      env=to_env(prof.retriever))
 
 
 def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""Rewards: the math verifier, the synthetic task's exact match, and the user's own (a Python
-function or an HTTP reward server).
+"""Rewards: the math verifier, the synthetic task's exact match, the search agent's answer exact
+match (Search-R1's), and the user's own (a Python function or an HTTP reward server).
 
 A reward fills `sample.reward` for a batch of samples. The built-in rewards map each sample to
 `correct` or `incorrect` (PKL periodic refresh: +1 / -1; PKL controlled staleness and TETPO:
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import string
 import time
 from typing import Any, Optional, Sequence
 
@@ -258,6 +260,95 @@ class HttpReward(GroupReward):
         raise RewardError(f"{len(errors)} attempt(s) failed: " + " | ".join(errors[-3:]))
 
 
+# ---- the search agent's reward: Search-R1's exact match (verl/utils/reward_score/qa_em.py)
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1's (SQuAD's) normalisation: lower-case, punctuation removed, the articles a / an /
+    the removed, whitespace collapsed."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, golds: Sequence[str]) -> bool:
+    """Does the normalised prediction equal any normalised gold answer?"""
+    p = normalize_answer(prediction)
+    return any(normalize_answer(g) == p for g in golds)
+
+
+def last_answer(texts: Sequence[str]) -> Optional[str]:
+    """The last <answer>...</answer> (stripped) in the policy's writing, one text per action
+    segment (a match never spans an observation); None when there is none."""
+    for text in reversed(texts):
+        found = _ANSWER.findall(text or "")
+        if found:
+            return found[-1].strip()
+    return None
+
+
+def gold_answers(sample: Sample) -> list[str]:
+    """Every gold answer of a sample: the row's `golden_answers` list (how `megapkl data prepare`
+    writes the QA sets, beside `answer`, the first of them), else `answer` alone."""
+    golds = (sample.metadata.get("fields") or {}).get("golden_answers")
+    if isinstance(golds, (list, tuple)) and golds and all(isinstance(g, str) for g in golds):
+        return list(golds)
+    if isinstance(golds, str) and golds:
+        return [golds]
+    if sample.answer is None:
+        raise ValueError(f"sample {sample.uid} ({_origin(sample)}) has no gold answer "
+                         "(answer or golden_answers)")
+    return [sample.answer]
+
+
+class AnswerEMReward(Reward):
+    """`reward.type: answer_em`: `correct` when the last <answer> the policy wrote matches any
+    gold answer exactly after normalisation (Search-R1's exact match), else `incorrect`; outcome
+    only, no format shaping. Only the policy's own writing is read (Sample.action_texts): the
+    prompt's template example and the retrieved passages never count, so Search-R1's rule of
+    skipping the prompt's example answer is not needed."""
+
+    def __init__(self, correct: float = 1.0, incorrect: float = 0.0, tokenizer: Any = None):
+        super().__init__(correct, incorrect)
+        self.tokenizer = tokenizer
+
+    def texts(self, sample: Sample) -> list[str]:
+        if sample.segments is None:
+            return [response_text(sample, self.tokenizer)]
+        return sample.action_texts()
+
+    def is_correct(self, sample: Sample) -> bool:
+        answer = last_answer(self.texts(sample))
+        return answer is not None and exact_match(answer, gold_answers(sample))
+
+
+def data_source(sample: Sample) -> str:
+    """The dataset a sample's prompt comes from: the row's `source` (prepared QA sets) or
+    `data_source` (Search-R1's files), else "all"."""
+    fields = sample.metadata.get("fields") or {}
+    src = fields.get("source", fields.get("data_source"))
+    return str(src) if isinstance(src, str) and src else "all"
+
+
+def exact_match_by_source(samples: Sequence[Sample], reward: Reward,
+                          prefix: str = "em/") -> dict[str, float]:
+    """Exact match per data source of scored samples ({prefix}{source}: fraction correct), and
+    {prefix}avg: the unweighted mean over the sources (the SIS paper's table averages its
+    benchmarks)."""
+    hits: dict[str, list[bool]] = {}
+    for s in samples:
+        if s.reward is None:
+            raise ValueError(f"sample {s.uid} is not scored yet (call the reward first)")
+        hits.setdefault(data_source(s), []).append(s.reward == reward.correct)
+    out = {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(hits.items())}
+    if out:
+        out[f"{prefix}avg"] = sum(out.values()) / len(out)
+    return out
+
+
 def _origin(sample: Sample) -> str:
     """Where a sample's prompt comes from, for messages: 'file:line', else its group."""
     meta = sample.metadata or {}
@@ -295,10 +386,13 @@ def build_reward(reward_cfg: Any, data_cfg: Any = None, tokenizer: Any = None, t
 
             task = make_synthetic_task(data_cfg.synthetic)
         return SyntheticReward(task, r.correct, r.incorrect)
+    if kind == "answer_em":
+        return AnswerEMReward(r.correct, r.incorrect, tokenizer=tokenizer)
     if kind == "python":
         return FunctionReward(r.function, r.correct, r.incorrect, tokenizer=tokenizer,
                               timeout_s=r.timeout_s, on_error=r.on_error)
     if kind == "http":
         return HttpReward(r.url, r.correct, r.incorrect, tokenizer=tokenizer,
                           timeout_s=r.timeout_s, max_retries=r.max_retries, on_error=r.on_error)
-    raise ValueError(f"unknown reward type {kind!r}; expected math, synthetic, python or http")
+    raise ValueError(f"unknown reward type {kind!r}; expected math, synthetic, answer_em, python "
+                     "or http")
