@@ -333,20 +333,30 @@ def data_source(sample: Sample) -> str:
     return str(src) if isinstance(src, str) and src else "all"
 
 
-def exact_match_by_source(samples: Sequence[Sample], reward: Reward,
-                          prefix: str = "em/") -> dict[str, float]:
-    """Exact match per data source of scored samples ({prefix}{source}: fraction correct), and
-    {prefix}avg: the unweighted mean over the sources (the SIS paper's table averages its
-    benchmarks)."""
-    hits: dict[str, list[bool]] = {}
+def match_counts(samples: Sequence[Sample], correct: float) -> dict[str, list[int]]:
+    """{source: [samples, correct ones]} of scored samples (mergeable over ranks by summing)."""
+    counts: dict[str, list[int]] = {}
     for s in samples:
         if s.reward is None:
             raise ValueError(f"sample {s.uid} is not scored yet (call the reward first)")
-        hits.setdefault(data_source(s), []).append(s.reward == reward.correct)
-    out = {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(hits.items())}
+        c = counts.setdefault(data_source(s), [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + int(s.reward == correct)
+    return counts
+
+
+def match_metrics(counts: dict[str, list[int]], prefix: str = "em/") -> dict[str, float]:
+    """{prefix}{source}: fraction correct per data source, and {prefix}avg: the unweighted mean
+    over the sources (the SIS paper's table averages its benchmarks)."""
+    out = {f"{prefix}{k}": h / n for k, (n, h) in sorted(counts.items())}
     if out:
         out[f"{prefix}avg"] = sum(out.values()) / len(out)
     return out
+
+
+def exact_match_by_source(samples: Sequence[Sample], reward: Reward,
+                          prefix: str = "em/") -> dict[str, float]:
+    """Exact match per data source of scored samples (`match_metrics` of one process)."""
+    return match_metrics(match_counts(samples, reward.correct), prefix)
 
 
 def _origin(sample: Sample) -> str:

@@ -115,14 +115,16 @@ class Ahead:
 
 def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, advantage: Any,
                         spec: Any, replica: Replica, layout: Layout, run_dir: Path, seed: int,
-                        steps: int, env: Any = None, timers: Optional[Timers] = None,
+                        steps: int, env: Any = None, retriever: Any = None,
+                        timers: Optional[Timers] = None,
                         hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
                         stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
     """The stage of the rollout section, with the model, data, reward, advantage and env
     sections it reads: tokenizer and prompts (data), reward, the policy versions (under
     `run_dir`) and, on a rank that runs one of its replica's engines (Replica.owners), the engine
     in its slot, placed by the trainer's `layout`, and the multi-turn environment's turn driver
-    (env, when set). `steps`: the run's updates (train.steps). `hold(x)` registers x's close with
+    (env, when set; `retriever`: the run's own, with its `url`). `steps`: the run's updates
+    (train.steps). `hold(x)` registers x's close with
     the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches'
     versions under async_batches."""
     from megapkl.envs import build_turn_driver
@@ -145,7 +147,8 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
     if replica.engine:  # the replica's other ranks get the scored samples from its engines
         scorer = hold(build_reward(reward, data, tokenizer, task))
         if env is not None:
-            turns = hold(build_turn_driver(env, r.max_response_len, tokenizer, task))
+            turns = hold(build_turn_driver(env, r.max_response_len, tokenizer, task,
+                                           retriever=retriever))
         engine = hold(build_run_engine(r, model, spec, tokenizer, work_dir=run_dir, seed=seed,
                                        layout=layout, replica=replica.dp_rank,
                                        stopping=stopping, rank=replica.rank))
