@@ -56,7 +56,7 @@ class _Rounds:
         self.batch = len(trajs)
         self.stop_ids = engine._stop_ids(sampling)
         # SGLang decodes the last (longest stop string's tokens + 1) tokens to look for a stop
-        self.tail = 1 + max((len(driver._encode(s)) for s in driver.stop), default=0)
+        self.tail = 1 + max((len(driver.encode(s)) for s in driver.stop), default=0)
         self.experts: Optional[list[list[Tensor]]] = None
 
     def run(self) -> None:

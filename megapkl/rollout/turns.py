@@ -180,11 +180,8 @@ class Trajectory:
         self.sampled += n
         self.finish, self.matched = finish, matched
 
-    def add_observation(self, ids: Tensor, text: str, source: str,
-                        experts: Optional[Tensor] = None) -> None:
+    def add_observation(self, ids: Tensor, text: str, source: str) -> None:
         self.ids.append(ids.to(torch.int64))
-        if experts is not None:
-            self.experts.append(experts)
         self.segments.append(Segment(OBSERVATION, int(ids.numel()), text=text, source=source))
         self.length += int(ids.numel())
 
@@ -204,9 +201,8 @@ class Trajectory:
         multi = len(self.segments) > 1
         versions = torch.cat(self.versions)
         metadata = dict(self.prompt.metadata)
-        if multi or self.end_reason not in (None, "single"):
-            metadata["trajectory"] = {"end": self.end_reason, "env_steps": self.env_steps,
-                                      "env_seconds": self.env_seconds}
+        metadata["trajectory"] = {"end": self.end_reason, "env_steps": self.env_steps,
+                                  "env_seconds": self.env_seconds}
         if self.error is not None:
             metadata[ENV_ERROR_KEY] = self.error
         cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
@@ -334,24 +330,24 @@ class TurnDriver:
         """The observation's ids (its text tokenized once, by itself) within `budget` tokens: the
         text before `closing` is shortened until the whole fits; (None, "") when not even the
         closing fits."""
-        ids = self._encode(obs.text)
+        ids = self.encode(obs.text)
         if len(ids) <= budget:
             return torch.tensor(ids, dtype=torch.int64), obs.text
         body = obs.text[:len(obs.text) - len(obs.closing)] if obs.closing else obs.text
         lo, hi = 0, len(body)  # the longest prefix of body whose text fits (binary search)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(self._encode(body[:mid] + obs.closing)) <= budget:
+            if len(self.encode(body[:mid] + obs.closing)) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
         text = body[:lo] + obs.closing
-        ids = self._encode(text) if text else []
+        ids = self.encode(text) if text else []
         if not ids or len(ids) > budget:
             return None, ""
         return torch.tensor(ids, dtype=torch.int64), text
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Tensor) -> str:
