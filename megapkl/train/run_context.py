@@ -25,6 +25,8 @@ from typing import Any, Optional, TypeVar
 
 import torch.distributed as dist
 
+from megapkl.parallel.dist_internals import is_member, process_groups
+
 T = TypeVar("T")
 PREEMPTION = "preemption"
 
@@ -127,11 +129,9 @@ class RunContext:
             return
         dist.barrier()
         timeout = datetime.timedelta(seconds=seconds)
-        world = dist.distributed_c10d._world.pg_map  # every group this process created
-        for group in list(world):
-            if dist.distributed_c10d._rank_not_in_group(group):
-                continue
-            dist.set_timeout(timeout, group)
+        for group in process_groups():  # every group this process created
+            if is_member(group):
+                dist.set_timeout(timeout, group)
 
     def stop(self, reason: str, u: int, checkpoint: Path) -> None:
         """After update u's checkpoint: requeue a preempted job (never returns), or say why a
