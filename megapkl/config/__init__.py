@@ -3,8 +3,8 @@
     from megapkl.config import load_config, dump_config
     cfg = load_config("configs/objectives/grpo.yaml", ["train.lr=5e-6"])
 
-Imports nothing of megapkl beyond this package and no torch (ARCHITECTURE.md: config is the first
-room), so `megapkl config show` stays fast.
+Imports nothing of megapkl beyond this package and no torch (docs/architecture.md: config is the
+first layer), so `megapkl config show` stays fast.
 """
 from megapkl.config.loader import (config_from_dict, dump_config, load_config, loads_config,
                                    merged_mapping, parse_override)
