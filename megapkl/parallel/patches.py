@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -299,11 +300,22 @@ def check(name: str) -> Patch:
     return patch
 
 
-def _in_range(version: str, spec: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+def _release(version: str) -> tuple[int, ...]:
+    """2.14.1+cu130 -> (2, 14, 1): the release numbers (local and pre-release tags dropped)."""
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version.strip()).group().split("."))
 
-    return SpecifierSet(spec).contains(Version(version), prereleases=True)
+
+def _in_range(version: str, spec: str) -> bool:
+    """Does `version` meet every clause of `spec` (">=2.14.1,<2.15", "==0.16.1")?"""
+    have = _release(version)
+    for clause in spec.split(","):
+        op = re.match(r"\s*(>=|<=|==|<|>)", clause).group(1)
+        bound = _release(clause.strip()[len(op):])
+        width = max(len(have), len(bound))
+        a, b = (t + (0,) * (width - len(t)) for t in (have, bound))
+        if not {">=": a >= b, "<=": a <= b, "==": a == b, "<": a < b, ">": a > b}[op]:
+            return False
+    return True
 
 
 def apply(name: str, owner: Any, attr: str, value: Any) -> None:

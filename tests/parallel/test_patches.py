@@ -66,6 +66,9 @@ def _install_after_megatron_moved(rank, world_size):
               multi_latent_attention=None):
         return t
 
+    import os
+
+    os.environ["MEGAPKL_SPEED_PATCHES"] = "1"  # rope-tables is one of them
     zeros = torch.zeros
     patches._VERIFIED.clear()  # checked in the pytest process this rank was forked from
     rope_utils._apply_rotary_pos_emb_bshd = moved
