@@ -41,11 +41,12 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
    recompute) builds the same mask for every layer and micro-batch -> built once per length on the
    CPU (megatron's own asks for device="cuda", which patch 4 already places on the CPU).
 
-Patches 7 to 10 and the import-time `torch.compile` swap of `preload` only buy speed and
-MEGAPKL_SPEED_PATCHES=0 leaves them out. 8 and 9 remove per-call work that computes nothing (the tiny demo model runs 8
-micro-batches of ~64 tokens per update, where megatron's per-call overhead, not arithmetic, is
-the time); 10 moves one-rank collectives out of gloo's threads. All three give bit-identical
-results, forward and backward (tests/parallel/test_compat.py):
+Patches 7 to 10 and the import-time `torch.compile` swap of `preload` only buy speed, and
+MEGAPKL_SPEED_PATCHES=0 leaves them out (the CPU demo's metrics.jsonl is the same either way).
+8 and 9 remove per-call work that computes nothing (the tiny demo model runs 8 micro-batches of
+~64 tokens per update, where megatron's per-call overhead, not arithmetic, is the time); 10 moves
+one-rank collectives out of gloo's threads. All three give bit-identical results, forward and
+backward (tests/parallel/test_compat.py):
 8. megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, the only RoPE without a fused kernel)
    recomputes cos/sin of the same frequency table for q and k of every layer and micro-batch,
    rotates with chunk + neg + cat, and slices/concatenates an empty pass-through part (whose

@@ -106,9 +106,17 @@ def test_the_speed_patches_can_be_left_out(megatron_loaded):
     ((applied, rope_wrapped, reduce_kept, device),) = run_forked(
         _install_without_speed_patches, 1, install_compat=False, init_distributed=False)
     speed = {p.name for p in PATCHES if p.speed_only}
-    correctness = [p.name for p in PATCHES if p.site.endswith("compat.py") and not p.speed_only]
+    correctness = [p.name for p in PATCHES if p.cpu_only and not p.speed_only]
     assert applied == correctness and not speed & set(applied)
     assert not rope_wrapped and reduce_kept and device == "cpu"
+
+
+def test_the_cpu_layer_applies_every_cpu_patch():
+    from megapkl.parallel import compat
+
+    applied = {name for name, _, _ in compat._PATCHES} | {"no-compile-at-import"}  # in preload
+    assert applied == {p.name for p in PATCHES if p.cpu_only}
+    assert all(p.site.endswith("compat.py") for p in PATCHES if p.cpu_only)
 
 
 PRIVATE = re.compile(r"distributed_c10d|\._world\b|bound_device_id|pg_group_ranks|pg_map")
