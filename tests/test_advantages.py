@@ -1,4 +1,4 @@
-"""compute_advantages (SPEC section 3) vs the naive reference and hand-computed values."""
+"""compute_advantages (docs/spec.md section 3) vs the naive reference and hand-computed values."""
 from __future__ import annotations
 
 import math

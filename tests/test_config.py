@@ -62,7 +62,7 @@ def test_model_yaml_parses(path):
     assert isinstance(data, dict) and data
 
 
-# ---- preset values (SPEC section 10 and the paper tables)
+# ---- preset values (docs/spec.md section 10 and the paper tables)
 
 def test_default_is_periodic_refresh_pkl():
     cfg = load_config(CONFIGS / "base" / "default.yaml")

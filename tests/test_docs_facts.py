@@ -160,3 +160,76 @@ def test_what_validate_needs_is_what_it_checks(tmp_path):
                        "eval.every=0", "eval.at_start=false", f"model.tokenizer={tmp_path / 'ckpt'}"])
     check_local_files(cfg, tmp_path, lambda msg, key, *rel: problems.append((key, msg)))
     assert any(k == "data.train_path" and f"{bad}:1" in m for k, m in problems), problems
+
+
+# Citations: "docs/spec.md section 4.1", "sections 2, 5", "sections 1-2", "section 6" (on a docs page:
+# that page), and a document named without its path or extension ("SPEC section 7", "ARCHITECTURE.md")
+CODE = [p for p in (*REPO.glob("megapkl/**/*.py"), *REPO.glob("tests/**/*.py"),
+                   *REPO.glob("tools/**/*.py"), *REPO.glob("configs/**/*.yaml"))
+        if p != Path(__file__).resolve()]  # this file's examples cite what does not exist
+CITE = re.compile(r"(\S+)\s+(?:sections?|§)\s*(\d+(?:\.\d+)*(?:(?:\s*,\s*|\s*-\s*|\s+and\s+)"
+                  r"\d+(?:\.\d+)*)*)")
+PAPERS = {"PKL", "SIS", "TETPO"}  # the papers' own sections: outside the repository
+UPPER_DOC = re.compile(r"(?<![\w/.-])([A-Z][A-Z_-]+\.md)\b")
+DOC_PATH = re.compile(r"(?<![\w/.$-])(docs/[\w./-]+\.md)")
+
+
+def _prose(path: Path) -> str:
+    """The file's text as one line, comment markers dropped, so a citation wrapped over two
+    comment or docstring lines reads as one."""
+    return " ".join(line.strip().lstrip("#").strip() for line in path.read_text().splitlines())
+
+
+def _numbers(text: str) -> list[str]:
+    out = []
+    for part in re.split(r"\s*,\s*|\s+and\s+", text):
+        lo, _, hi = part.partition("-")
+        lo, hi = lo.strip(), hi.strip()
+        out += [str(n) for n in range(int(lo), int(hi) + 1)] if hi else [lo]
+    return out
+
+
+def _headings(page: Path) -> set[str]:
+    return {m.group(1) for m in re.finditer(r"(?m)^#{1,6}\s+(\d+(?:\.\d+)*)[.\s]", page.read_text())}
+
+
+def citation_problems(path: Path) -> list[str]:
+    text, rel, bad = _prose(path), path.relative_to(REPO) if REPO in path.parents else path, []
+    for name in UPPER_DOC.findall(text) + DOC_PATH.findall(text):
+        if not any(p.is_file() for p in (REPO / name, REPO / "docs" / name, path.parent / name)):
+            bad.append(f"{rel}: cites {name}, which is not in the repository")
+    for m in CITE.finditer(text):
+        word, nums = m.group(1).strip("(`'\",;:"), _numbers(m.group(2))
+        if word.endswith(".md"):
+            page = REPO / word if "/" in word else REPO / "docs" / word
+        elif path.suffix == ".md" and not word[:1].isupper():
+            page = path  # "the terms of section 6": this page's own section
+        elif word in PAPERS:
+            continue
+        else:
+            bad.append(f"{rel}: '{m.group(0)}' cites a section of no file of the repository")
+            continue
+        if not page.is_file():
+            bad.append(f"{rel}: '{m.group(0)}' cites {word}, which is not in the repository")
+            continue
+        missing = [n for n in nums if n not in _headings(page)]
+        if missing:
+            bad.append(f"{rel}: '{m.group(0)}': {page.relative_to(REPO)} has no section "
+                       f"{', '.join(missing)}")
+    return bad
+
+
+def test_every_citation_names_a_file_and_section_that_exist():
+    bad = [p for f in CODE + DOCS if f.exists() for p in citation_problems(f)]
+    assert not bad, "citations of files or sections that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_citation_check_fails_on_what_does_not_exist(tmp_path):
+    probe = tmp_path / "probe.py"
+    cases = {"SPEC section 7": "no file", "see ARCHITECTURE.md": "ARCHITECTURE.md",
+             "docs/spec.md section 99": "no section 99", "docs/nowhere.md": "docs/nowhere.md",
+             "docs/spec.md\n# section 4.1 and docs/spec.md sections 1-2, 12": None}
+    for text, said in cases.items():
+        probe.write_text(f"# {text}\n")
+        found = citation_problems(probe)
+        assert (said in " ".join(found)) if said else not found, (text, found)

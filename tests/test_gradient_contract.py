@@ -1,4 +1,5 @@
-"""SPEC section 2 gradient contract: d out.loss / d logp == -coef / Z, and nothing else gets a gradient.
+"""docs/spec.md section 2 gradient contract: d out.loss / d logp == -coef / Z, and nothing else gets
+a gradient.
 
 Every other input (logp_behav, logp_prox, logp_init, topk_logp, topk_logp_behav, advantages) is passed
 with requires_grad=True and must receive no gradient (None or exactly zero): credit C_t, weights w,

@@ -2,7 +2,7 @@
 
 The first block self-tests the reference on hand-computed examples (no library needed). The rest
 compares the library with the reference on random, internally consistent batches: every objective x
-aggregation, plus the SPEC edge cases. All inputs are float64; rtol 1e-6.
+aggregation, plus the edge cases of docs/spec.md. All inputs are float64; rtol 1e-6.
 """
 from __future__ import annotations
 
@@ -283,8 +283,8 @@ def test_library_matches_reference(cid, cfg, bk):
     assert not problems, f"{cid}: " + "; ".join(problems)
 
 
-# Sequence objectives under per-token aggregations: the loss value is not pinned by SPEC for these
-# combinations, so only coef / normalizer / metrics other than loss are compared.
+# Sequence objectives under per-token aggregations: the loss value is not pinned by docs/spec.md for
+# these combinations, so only coef / normalizer / metrics other than loss are compared.
 SEQ_TOKEN_AGG = [(f"{n}-{a}", {"name": n, **_agg_cfg(a)}) for n in ("gspo", "gepo")
                  for a in ("token_mean", "token_sum_norm")]
 
@@ -311,12 +311,12 @@ METRIC_CASES = [(n, {"name": n}) for n in naive.OBJECTIVES] + [
 
 @pytest.mark.parametrize("cid,cfg", METRIC_CASES, ids=[c[0] for c in METRIC_CASES])
 def test_spec_metrics_present(cid, cfg):
-    """Every SPEC section 9 metric that applies to the objective is reported, finite."""
+    """Every docs/spec.md section 9 metric that applies to the objective is reported, finite."""
     d = make_batch(80, top_k=3, with_entropy=True)
     out, _, _ = run_library(cfg, d)
     want = naive.expected_metric_names(cfg, has_entropy=False)
     missing = sorted(want - set(out.metrics))
-    assert not missing, f"{cid}: SPEC section 9 metrics missing from out.metrics: {missing}"
+    assert not missing, f"{cid}: docs/spec.md section 9 metrics missing from out.metrics: {missing}"
     for k, v in out.metrics.items():
         assert math.isfinite(float(v)), f"{cid}: metric {k} = {v}"
 
@@ -325,7 +325,8 @@ def test_metrics_are_python_floats():
     d = make_batch(81)
     out, _, _ = run_library({"name": "proximal_kl"}, d)
     for k, v in out.metrics.items():
-        assert isinstance(v, float), f"metric {k} has type {type(v).__name__}, SPEC: dict[str, float]"
+        assert isinstance(v, float), \
+            f"metric {k} has type {type(v).__name__}, docs/spec.md section 8: dict[str, float]"
 
 
 def test_reference_coef_differs_between_objectives():
@@ -429,7 +430,7 @@ def test_float32_inputs_keep_dtype_and_agree(name):
 
 
 # ==================================================================================================
-# 4. config entry point (SPEC section 8) as far as it changes objective semantics
+# 4. config entry point (docs/spec.md section 8) as far as it changes objective semantics
 # ==================================================================================================
 @pytest.mark.parametrize("name", naive.OBJECTIVES)
 def test_config_per_objective_defaults(name):
@@ -457,7 +458,8 @@ def test_config_unknown_key_is_named_and_foreign_keys_ignored():
 
 
 def test_entropy_coef_without_entropy_is_not_silently_dropped():
-    """SPEC 6: the entropy bonus needs the full-vocabulary entropy. A config with entropy_coef != 0 and
+    """docs/spec.md section 6: the entropy bonus needs the full-vocabulary entropy. A config with
+    entropy_coef != 0 and
     a batch without `entropy` must fail loudly (like kl_init_coef > 0 without logp_init), not train
     silently without the configured bonus."""
     d = make_batch(96)

@@ -1,4 +1,5 @@
-"""SIS uniform draws (SPEC 4.3): counter-based, a pure function of (seed, step, uid, position).
+"""SIS uniform draws (docs/spec.md section 4.3): counter-based, a pure function of (seed, step, uid,
+position).
 
 Also: policy_loss's SIS acceptance is partition invariant (split into sub-batches of whole responses
 with response_uid preserved), and its acceptance equals the reference's test fed with the same draws.

@@ -1,8 +1,8 @@
 """`megapkl plot RUN_DIR...`: EMA-smoothed curves of one or several runs into PNG files.
 
 One PNG per metric (accuracy, reward, entropy, grad norm, IS statistics, ...), every run a line,
-raw values faint behind the smoothed curve (EMA alpha 0.1 by default, SPEC 11), plus one
-`overview.png` grid with the main panels. Evaluation results (`eval/<benchmark>/<metric>` from
+raw values faint behind the smoothed curve (EMA alpha 0.1 by default, docs/spec.md section 11), plus
+one `overview.png` grid with the main panels. Evaluation results (`eval/<benchmark>/<metric>` from
 in-training evaluation) are drawn against the number of updates applied (`eval/version`), one PNG
 each, plus `eval_overview.png`. Each run with timing rows also gets `timeline_<run>.png`:
 generation and training per update on a time axis (megapkl.analysis.timeline).

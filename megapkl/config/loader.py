@@ -115,14 +115,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def configs_dir() -> Path:
-    """The shipped presets: $MEGAPKL_CONFIGS, else the repository's configs/ folder."""
-    env = os.environ.get("MEGAPKL_CONFIGS")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "configs"
-
-
 # ---- extends: read files parents-first, each once
 
 def _display(path: Path) -> str:

@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megapkl.config import yamlio
+from megapkl.config.shipped import configs_dir
 
 _SHARDED_BY_TP = ("num_attention_heads", "num_query_groups")
 
 
 def model_arch(model) -> Optional[dict[str, Any]]:
     """The architecture keys of `model` (a ModelConfig), or None for a model without a shipped YAML."""
-    from megapkl.config.loader import configs_dir
-
     path = configs_dir() / "models" / f"{model.name}.yaml"
     if not path.is_file():
         return None

@@ -20,7 +20,7 @@ _EXPORTS = {
     "profiles_dir": "megapkl.launch.profile",
     "submit": "megapkl.launch.submit", "Submission": "megapkl.launch.submit",
     "LaunchError": "megapkl.launch.submit", "read_metrics": "megapkl.launch.submit",
-    "sweep": "megapkl.launch.sweep", "sweep_table": "megapkl.launch.sweep",
+    "sweep": "megapkl.launch.sweep", "sweep_table": "megapkl.launch.jobs",
     "LaunchContext": "megapkl.launch.runtime", "current_context": "megapkl.launch.runtime",
     "add_subcommands": "megapkl.launch.cli",
 }

@@ -132,7 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from megapkl.config import ConfigError
     from megapkl.launch.submit import LaunchError
-    from megapkl.launch.sweep import format_table, sweep, sweep_rows
+    from megapkl.launch.jobs import format_table, sweep_rows
+    from megapkl.launch.sweep import sweep
     try:
         out = sweep(args.config, args.profile, args.grid, args.overrides, entry=_entry(args),
                     entry_kwargs=_entry_kwargs(args), parallelism=args.parallelism,

@@ -12,12 +12,14 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from megapkl.errors import MegapklError
+from megapkl.launch.submit import _read_json, job_index_path, read_metrics
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "ExitCode", "NodeList")
+SUMMARY_METRICS = ("loss", "reward/mean", "train/accuracy", "kl/prox_k3", "x")
 
 
 class JobLookupError(MegapklError, RuntimeError):
@@ -30,11 +32,6 @@ class JobRef:
     run_dir: Optional[Path]
     submitit_folder: Optional[Path]
     sweep_dir: Optional[Path] = None
-
-
-def _index_path() -> Path:
-    from megapkl.launch.submit import job_index_path
-    return job_index_path()
 
 
 def resolve(job: str) -> JobRef:
@@ -65,7 +62,7 @@ def resolve(job: str) -> JobRef:
 
 
 def _index_lookup(job_id: str) -> Optional[Path]:
-    path = _index_path()
+    path = job_index_path()
     if not path.exists():
         return None
     found = None
@@ -126,11 +123,8 @@ def requeue_count(job_id: str) -> int:
 
 def status(job: str) -> str:
     """A few lines: Slurm state(s), and for a run directory the last step's metrics."""
-    from megapkl.launch.submit import read_metrics
-
     ref = resolve(job)
     if ref.sweep_dir is not None:
-        from megapkl.launch.sweep import sweep_table
         return f"sweep {ref.sweep_dir} (array {ref.job_id})\n{sweep_table(ref.sweep_dir)}"
     states = sacct_states([ref.job_id] if ref.job_id else [])
     rows = [r for jid, r in states.items() if jid == ref.job_id or jid.startswith(f"{ref.job_id}_")]
@@ -188,3 +182,47 @@ def queue(user: Optional[str] = None) -> str:
     cmd = ["squeue", "-o", "%.12i %.24j %.10T %.10M %.6D %R"]
     cmd += ["-u", user or os.environ.get("USER", "root")]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+
+
+# ---- a sweep's summary: one row per element
+
+def sweep_rows(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    info = _read_json(Path(sweep_dir) / "sweep.json")
+    ids = [e["job_id"] for e in info["elements"]]
+    states = sacct_states(ids)
+    rows = []
+    for e in info["elements"]:
+        st = states.get(e["job_id"], {})
+        metrics = read_metrics(e["run_dir"])
+        last = metrics[-1] if metrics else {}
+        row = {"label": e["label"], "job": e["job_id"], "state": st.get("State", "?"),
+               "elapsed": st.get("Elapsed", ""), "step": last.get("step", "")}
+        for k in SUMMARY_METRICS:
+            if k in last:
+                row[k] = last[k]
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "(no elements)"
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def sweep_table(sweep_dir: str | os.PathLike) -> str:
+    return format_table(sweep_rows(sweep_dir))

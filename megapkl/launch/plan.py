@@ -41,9 +41,12 @@ left out.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Optional
 
 from megapkl.config.layout import Layout
+from megapkl.launch.runconfig import prepare_run
+from megapkl.launch.shape import settle_shape
 from megapkl.models.sizes import (layer_params, padded_vocab, served_weight_bytes,  # noqa: F401
                                   stage_params, total_params)
 
@@ -414,17 +417,12 @@ def plan_config(config: str, profile: Optional[str] = None, overrides: Any = (),
                 mfu: float = DEFAULT_MFU, response_len: Optional[int] = None) -> Plan:
     """Plan a run config file with a profile (default: its slurm.profile), the job shape filled in
     as `megapkl submit` does; without any profile, the layout alone (no fit verdict)."""
-    from pathlib import Path
-
-    from megapkl.launch import submit as sub
-    from megapkl.launch.runconfig import prepare_run
-
     overrides = list(overrides)
     # sized from the model preset's shape: no tokenizer needed (model.hf_checkpoint may be null)
     prep = prepare_run(config, overrides, cwd=Path.cwd(), tokenizes=False)
     if not (profile or prep.cfg.slurm.profile):
         check_fleet(prep.cfg, prep.config_path)
         return plan(prep.cfg, None, mfu, response_len)
-    prep, prof = sub.settle_shape(config, overrides, profile, cwd=Path.cwd(), tokenizes=False)
+    prep, prof = settle_shape(config, overrides, profile, cwd=Path.cwd(), tokenizes=False)
     check_fleet(prep.cfg, prep.config_path)
     return plan(prep.cfg, prof, mfu, response_len)

@@ -6,8 +6,8 @@
 Every element is validated before anything is submitted. Layout: the base config's run directory
 becomes the sweep directory; element `i` runs as `<name>-<label>` in `<sweep_dir>/<label>/` (a normal
 run directory, see `megapkl.launch.submit`), all elements share `<sweep_dir>/submitit/`, and
-`<sweep_dir>/sweep.json` lists the grid, the elements and the array job id. `sweep_table` prints
-one row per element (state from sacct, last step and metrics from its run directory).
+`<sweep_dir>/sweep.json` lists the grid, the elements and the array job id; `megapkl status`
+prints one row per element (`megapkl.launch.jobs.sweep_table`).
 """
 from __future__ import annotations
 
@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from megapkl.config.typed import ConfigError
-from megapkl.launch import jobs as jobs_mod
 from megapkl.launch.job import DEFAULT_ENTRY, MegapklJob, check_entry_importable
 from megapkl.launch.plan import check_fleet
 from megapkl.launch.runconfig import prepare_run
+from megapkl.launch.shape import job_profile, shape_overrides, with_dedicated_tasks
 from megapkl.launch.submit import (IfExists, LaunchError, _now, _read_json, _write_json,
-                                   check_container, check_mounts, job_profile, make_executor,
-                                   make_spec, prepare_run_dir, read_metrics, record_job,
-                                   resume_overrides, sbatch_parameters, sbatch_script,
-                                   shape_overrides, with_dedicated_tasks, write_run_files)
+                                   check_container, check_mounts, make_executor, make_spec,
+                                   prepare_run_dir, read_metrics, record_job, resume_overrides,
+                                   sbatch_parameters, sbatch_script, write_run_files)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-SUMMARY_METRICS = ("loss", "reward/mean", "train/accuracy", "kl/prox_k3", "x")
 
 
 @dataclass
@@ -181,50 +179,6 @@ def one_shape(preps: Sequence[Any], prof: Any) -> Any:
                           "sizes), and the elements of one array job share one shape: sweep "
                           "them separately", key="--grid", source="command line")
     return shaped[0] if shaped else prof
-
-
-# ---- summary
-
-def sweep_rows(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    info = _read_json(Path(sweep_dir) / "sweep.json")
-    ids = [e["job_id"] for e in info["elements"]]
-    states = jobs_mod.sacct_states(ids)
-    rows = []
-    for e in info["elements"]:
-        st = states.get(e["job_id"], {})
-        metrics = read_metrics(e["run_dir"])
-        last = metrics[-1] if metrics else {}
-        row = {"label": e["label"], "job": e["job_id"], "state": st.get("State", "?"),
-               "elapsed": st.get("Elapsed", ""), "step": last.get("step", "")}
-        for k in SUMMARY_METRICS:
-            if k in last:
-                row[k] = last[k]
-        rows.append(row)
-    return rows
-
-
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    if not rows:
-        return "(no elements)"
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def sweep_table(sweep_dir: str | os.PathLike) -> str:
-    return format_table(sweep_rows(sweep_dir))
 
 
 def read_sweep(sweep_dir: str | os.PathLike) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from megapkl.parallel.chunks import model_chunks
+from megapkl.parallel.patches import apply, check
 
 # Model-space optimizer tensors without per-sub-optimizer key prefixes: loadable whatever the
 # layout and however many sub-optimizers (dense / expert) the loading side has.
@@ -186,7 +187,8 @@ def _load_optimizer(optimizer: Any, loaded: dict, step: Optional[int]) -> None:
     subs = _sub_optimizers(optimizer)
     for i, opt in enumerate(subs):
         _load_distributed(opt, loaded[i], step)
-    if hasattr(optimizer, "_synchronize_steps") and len(subs) > 1:
+    if len(subs) > 1:  # a ChainedOptimizer (dense + expert)
+        check("optimizer-step-sync")
         optimizer._synchronize_steps()
 
 
@@ -216,15 +218,16 @@ def _in_process_writes() -> Iterator[None]:
         failed = [r for _, r in done if isinstance(r, Exception)]
         results_queue.put(failed[0] if failed else dict(done))
 
+    name = check("checkpoint-writes-in-process").name  # registered: docs/patches.md
     saved_queue = fa._get_write_results_queue
     saved_writer = writer.__dict__["write_preloaded_data_multiproc"]
-    fa._get_write_results_queue = queue.Queue
-    writer.write_preloaded_data_multiproc = staticmethod(write_all)
+    apply(name, fa, "_get_write_results_queue", queue.Queue)
+    apply(name, writer, "write_preloaded_data_multiproc", staticmethod(write_all))
     try:
         yield
     finally:
-        fa._get_write_results_queue = saved_queue
-        writer.write_preloaded_data_multiproc = saved_writer
+        apply(name, fa, "_get_write_results_queue", saved_queue)
+        apply(name, writer, "write_preloaded_data_multiproc", saved_writer)
 
 
 # ------------------------------------------------------------------ save / load

@@ -130,7 +130,7 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str = "<mapping>") -> 
 
 def models_dir() -> Path:
     """Where the shipped model YAMLs live: configs/models under the configs directory."""
-    from megapkl.config.loader import configs_dir
+    from megapkl.config.shipped import configs_dir
 
     return configs_dir() / "models"
 

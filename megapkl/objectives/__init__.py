@@ -1,4 +1,4 @@
-"""Policy objectives of SPEC.md: pure torch math, no torch.distributed, no megatron.
+"""Policy objectives of docs/spec.md: pure torch math, no torch.distributed, no megatron.
 
     from megapkl.objectives import PolicyLossConfig, TokenBatch, policy_loss
     out = policy_loss(PolicyLossConfig.from_dict({"name": "proximal_kl"}), batch)

@@ -1,4 +1,4 @@
-"""Reward advantages per response (SPEC section 3; PKL paper eq. A.2 and C.1).
+"""Reward advantages per response (docs/spec.md section 3; PKL paper eq. A.2 and C.1).
 
 All functions take per-response rewards [M] and prompt-group ids [M] and return advantages [M].
 """

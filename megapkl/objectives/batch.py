@@ -1,4 +1,4 @@
-"""`TokenBatch`: one packed batch of action tokens, and `LossOutput` (SPEC section 8)."""
+"""`TokenBatch`: one packed batch of action tokens, and `LossOutput` (docs/spec.md section 8)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +10,7 @@ from torch import Tensor
 
 @dataclass
 class TokenBatch:
-    """Action tokens of M responses, packed in response order (SPEC section 8).
+    """Action tokens of M responses, packed in response order (docs/spec.md section 8).
 
     Tokens of a response are contiguous, responses appear in increasing `response_index`, and
     `positions` run 1..T_m within each response. Per-token tensors are [N]; SIS fields are [N, K].
@@ -145,10 +145,10 @@ class TokenBatch:
 
 @dataclass
 class LossOutput:
-    """Result of `policy_loss` (SPEC section 8).
+    """Result of `policy_loss` (docs/spec.md section 8).
 
     `loss` has the value of the paper's surrogate (negated, aggregated) plus optional terms, and the
-    gradient -(coef / Z) w.r.t. `batch.logp` (SPEC section 2). `coef` is detached, [N].
+    gradient -(coef / Z) w.r.t. `batch.logp` (docs/spec.md section 2). `coef` is detached, [N].
     """
 
     loss: Tensor

@@ -1,4 +1,4 @@
-"""`LossContext`: statistics that reach beyond the tokens of one loss call (SPEC section 7).
+"""`LossContext`: statistics that reach beyond the tokens of one loss call (docs/spec.md section 7).
 
 The objective math only ever sees local tokens. When those are a shard of the optimizer minibatch
 (context-parallel chunks, micro-batches, data-parallel ranks), `megapkl.parallel` fills a
@@ -44,7 +44,8 @@ class ResponseTable:
 class LossContext:
     """Global (detached) statistics injected by the parallel layer; see module docstring.
 
-    num_tokens / num_responses: size of the whole optimizer minibatch (normalizer Z of SPEC 5).
+    num_tokens / num_responses: size of the whole optimizer minibatch (normalizer Z of docs/spec.md
+    section 5).
     response_lengths: [M] full T_m of the local responses, when the local tokens are a subset.
     complete_sums: turns local partial per-response sums [M, k] into complete ones (CP all-reduce).
     credit: local l [N] -> C_t [N] computed over the complete responses (CP gather).

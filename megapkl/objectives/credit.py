@@ -1,4 +1,5 @@
-"""Future-KL credit C_t (Proximal KL paper eq. 5; SPEC 4.1), O(T_m) per response by prefix sums."""
+"""Future-KL credit C_t (Proximal KL paper eq. 5; docs/spec.md section 4.1), O(T_m) per response by
+prefix sums."""
 from __future__ import annotations
 
 from typing import Literal, Optional, Union

@@ -1,4 +1,5 @@
-"""GEPO: group-expectation-normalized sequence weight (TETPO paper sec. 1 baseline; SPEC 4.4).
+"""GEPO: group-expectation-normalized sequence weight (TETPO paper sec. 1 baseline; docs/spec.md
+section 4.4).
 
 Per group, with sequence log-likelihoods Lpi_i = sum_t log pi_theta and Lmu_i = sum_t log mu:
 q_j = mu_j / sum_k mu_k,  E_q[mu] = sum_j q_j mu_j,  weight_i = pi_theta(y_i) / E_q[mu],

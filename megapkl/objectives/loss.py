@@ -1,4 +1,5 @@
-"""`policy_loss`: every objective's loss, coefficients and metrics (SPEC sections 2, 5, 6, 8, 9).
+"""`policy_loss`: every objective's loss, coefficients and metrics (docs/spec.md sections 2, 5, 6,
+8, 9).
 
 loss = -(1/Z) sum_t coef_t logp_t in gradient, with the value of the paper's negated surrogate:
 objectives give detached coefficients and surrogate values (`Terms`), the aggregation supplies the
@@ -22,7 +23,7 @@ from megapkl.objectives.stats import Stats
 
 
 def aggregation(cfg: ObjectiveConfig, s: Stats) -> tuple[Optional[Tensor], float]:
-    """Per-token weight a_t (None = 1) and normalizer Z of SPEC section 5."""
+    """Per-token weight a_t (None = 1) and normalizer Z of docs/spec.md section 5."""
     agg, ctx = cfg.aggregation, s.ctx
     n_tok = float(s.num_tokens) if ctx.num_tokens is None else float(ctx.num_tokens)
     n_resp = float(s.num_responses) if ctx.num_responses is None else float(ctx.num_responses)
@@ -49,7 +50,7 @@ def k3(log_ref: Tensor, logp: Tensor) -> Tensor:
 
 def policy_loss(cfg: ObjectiveConfig, batch: TokenBatch, ctx: Optional[LossContext] = None,
                 validate: bool = True) -> LossOutput:
-    """Loss, detached coefficients and metrics of `cfg.name` on `batch` (SPEC section 8)."""
+    """Loss, detached coefficients and metrics of `cfg.name` on `batch` (docs/spec.md section 8)."""
     if cfg.aggregation is None or cfg.eps_clip_low is None:
         cfg = cfg.resolve()
     ctx = ctx or LossContext()
@@ -67,7 +68,8 @@ def policy_loss(cfg: ObjectiveConfig, batch: TokenBatch, ctx: Optional[LossConte
     if cfg.kl_init_coef > 0:
         init = batch.logp_init.detach()
         value = value + cfg.kl_init_coef * _weighted(k3(init, s.logp), a).sum() / z
-        # d k3 / d logp = 1 - exp(init - logp): folded into the score coefficient (SPEC section 6).
+        # d k3 / d logp = 1 - exp(init - logp): folded into the score coefficient (docs/spec.md
+        # section 6).
         coef = coef - cfg.kl_init_coef * _weighted(1 - torch.exp(init - s.logp), a)
     coef = coef.detach()
     score = -(coef * batch.logp).sum() / z

@@ -1,4 +1,5 @@
-"""M2PO: second-moment trust region by token masking (TETPO paper sec. 1 baseline; SPEC 4.4).
+"""M2PO: second-moment trust region by token masking (TETPO paper sec. 1 baseline; docs/spec.md
+section 4.4).
 
 Variant implemented: "greedy_all". With M2_t = Delta_t^2 over every token of the optimizer
 minibatch, drop the tokens with the largest M2 one at a time until the mean M2 of the kept tokens is

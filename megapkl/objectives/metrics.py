@@ -1,4 +1,4 @@
-"""Metrics every objective reports (SPEC section 9), kept as reducible parts.
+"""Metrics every objective reports (docs/spec.md section 9), kept as reducible parts.
 
 A loss call on a shard reports sums and counts (token means, response means), maxima, minima,
 totals (the loss), already-global values (TETPO group statistics) and samples: the values whose

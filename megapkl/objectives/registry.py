@@ -1,4 +1,5 @@
-"""The one explicit registry of policy objectives: name -> coefficient function (SPEC section 4)."""
+"""The one explicit registry of policy objectives: name -> coefficient function (docs/spec.md
+section 4)."""
 from __future__ import annotations
 
 from typing import Callable

@@ -1,4 +1,5 @@
-"""Selective importance sampling (SIS paper, eq. 7-11, Proposition 1, Algorithm 1; SPEC 4.3).
+"""Selective importance sampling (SIS paper, eq. 7-11, Proposition 1, Algorithm 1; docs/spec.md
+section 4.3).
 
 A token a_t drawn from the behavior policy mu is accepted as an on-policy sample of pi_theta with
 probability w_t / M_t, where M_t = max over the behavior top-K ids of pi_theta / mu (the top-K envelope

@@ -1,7 +1,7 @@
-"""Detached per-token statistics shared by every objective (SPEC sections 1-2), and `Terms`.
+"""Detached per-token statistics shared by every objective (docs/spec.md sections 1-2), and `Terms`.
 
 `Stats` is built once per loss call; objectives read what they need from it and return `Terms`:
-a detached per-token score coefficient (SPEC section 2) and the surrogate value for logging.
+a detached per-token score coefficient (docs/spec.md section 2) and the surrogate value for logging.
 Everything that needs more than the local tokens (per-response sums under context parallelism,
 future-KL windows, group statistics) goes through `LossContext` (see context.py).
 """
@@ -22,7 +22,8 @@ from megapkl.objectives.sis import SISResult, sis_accept, uniform_draws
 
 
 def clip_active(x: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """True where min(x A, clip(x, 1-eps_lo, 1+eps_hi) A) has a nonzero gradient (SPEC section 4)."""
+    """True where min(x A, clip(x, 1-eps_lo, 1+eps_hi) A) has a nonzero gradient (docs/spec.md
+    section 4)."""
     return ~(((adv > 0) & (x > 1 + eps_high)) | ((adv < 0) & (x < 1 - eps_low)))
 
 
@@ -46,7 +47,7 @@ class Terms:
 
 
 class Stats:
-    """Detached quantities of SPEC section 1 for one batch, computed once."""
+    """Detached quantities of docs/spec.md section 1 for one batch, computed once."""
 
     def __init__(self, cfg: ObjectiveConfig, batch: TokenBatch, ctx: LossContext) -> None:
         self.cfg, self.batch, self.ctx = cfg, batch, ctx

@@ -1,4 +1,5 @@
-"""TETPO: target-ESS tempering of sequence ratios (TETPO paper sec. 2, Thm. 2-3, Prop. 2; SPEC 4.2).
+"""TETPO: target-ESS tempering of sequence ratios (TETPO paper sec. 2, Thm. 2-3, Prop. 2;
+docs/spec.md section 4.2).
 
 Per group with sequence log-ratios L_i, ESS(alpha) = (sum_i e^{alpha L_i})^2 / sum_i e^{2 alpha L_i}.
 alpha* = max{alpha in [0, 1] : ESS(alpha) >= kappa G}: 1 when the group is healthy, otherwise found by

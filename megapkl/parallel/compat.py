@@ -8,7 +8,9 @@ equivalent, so results equal a single-process CPU computation.
 
 Active only when CUDA is absent: on a GPU machine `install()` does nothing and returns
 False. Idempotent. Patches are process-wide (module and class attributes): every thread sees
-them, and forked children inherit them.
+them, and forked children inherit them. Each is registered in `megapkl.parallel.patches` (the
+versions it was written for, what it replaces, docs/patches.md): `install()` checks every one
+before it applies any, and fails in one line naming the patch when torch or megatron-core moved.
 
 Patches (what megatron hard-codes -> what we do -> why it is safe):
 1. `torch.cuda.current_device()` is used as a device for allocations and `.to()`
@@ -36,12 +38,15 @@ Patches (what megatron hard-codes -> what we do -> why it is safe):
    sizes, but the helper only converts CUDA tensors -> also convert CPU tensors to numpy when
    asked, which is what the caller expects on GPU.
 7. The causal-mask helper of megatron's unfused softmax (also re-run inside backward by activation
-   recompute) builds its mask on the CPU directly. Same mask, same device as without recompute.
+   recompute) builds the same mask for every layer and micro-batch -> built once per length on the
+   CPU (megatron's own asks for device="cuda", which patch 4 already places on the CPU).
 
-Patches 8 and 9 only remove per-call work that computes nothing (the tiny demo model runs 8
-micro-batches of ~64 tokens per update, where megatron's per-call overhead, not arithmetic, is
-the time); 10 moves one-rank collectives out of gloo's threads. All three give bit-identical
-results, forward and backward (tests/parallel/test_compat.py):
+Patches 7 to 10 and the import-time `torch.compile` swap of `preload` only buy speed, and
+MEGAPKL_SPEED_PATCHES=0 leaves them out (the CPU demo's metrics.jsonl is the same either way).
+8 and 9 remove per-call work that computes nothing (the tiny demo model runs 8 micro-batches of
+~64 tokens per update, where megatron's per-call overhead, not arithmetic, is the time); 10 moves
+one-rank collectives out of gloo's threads. All three give bit-identical results, forward and
+backward (tests/parallel/test_compat.py):
 8. megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, the only RoPE without a fused kernel)
    recomputes cos/sin of the same frequency table for q and k of every layer and micro-batch,
    rotates with chunk + neg + cat, and slices/concatenates an empty pass-through part (whose
@@ -77,8 +82,12 @@ from typing import Any, Callable
 
 import torch
 
+from megapkl.parallel.patches import (BY_NAME, TENSOR_FACTORIES, TORCH_FACTORIES, apply, check,
+                                      speed_patches_on)
+
 _CPU = torch.device("cpu")
 _installed = False
+_applied: list[str] = []  # registered names of the patches install() applied
 
 
 def is_installed() -> bool:
@@ -94,14 +103,17 @@ def preload() -> None:
     import sys
 
     real = torch.compile
-    if "megatron.core" not in sys.modules and not torch.cuda.is_available():
-        torch.compile = _no_compile
+    swap = ("megatron.core" not in sys.modules and not torch.cuda.is_available()
+            and speed_patches_on())
+    if swap:
+        apply(check("no-compile-at-import").name, torch, "compile", _no_compile)
     try:
         import megatron.core  # noqa: F401
         from megatron.core.tensor_parallel import random  # noqa: F401
         from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
     finally:
-        torch.compile = real
+        if swap:
+            apply("no-compile-at-import", torch, "compile", real)
 
 
 def _no_compile(model: Any = None, **_: Any) -> Any:
@@ -120,25 +132,29 @@ def install() -> bool:
         return False
     if not _installed:
         preload()
-        _patch_current_device()
-        _patch_cuda_rng()
-        _patch_streams()
-        _patch_placement()
-        _patch_megatron()
-        _patch_rope()
-        _patch_tp_regions()
-        _patch_one_rank_collectives()
+        speed = speed_patches_on()
+        chosen = [(name, fn) for name, fn, fast in _PATCHES if speed or not fast]
+        for name, _ in chosen:  # every check before any patch: nothing is half applied
+            check(name)
+        for name, fn in chosen:
+            fn()
+            _applied.append(name)
         _installed = True
     return True
+
+
+def installed_patches() -> list[str]:
+    """The registered names of the patches `install()` applied in this process."""
+    return list(_applied)
 
 
 # ---------------------------------------------------------------- 1. current device
 
 
 def _patch_current_device() -> None:
-    torch.cuda.current_device = lambda: _CPU
+    apply("cpu-device", torch.cuda, "current_device", lambda: _CPU)
     # set_device would reach a missing C binding; there is only one device.
-    torch.cuda.set_device = lambda device: None
+    apply("cpu-device", torch.cuda, "set_device", lambda device: None)
 
 
 # ---------------------------------------------------------------- 2. RNG
@@ -149,10 +165,11 @@ def _cpu_manual_seed(seed: int) -> None:
 
 
 def _patch_cuda_rng() -> None:
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = _cpu_manual_seed
-    torch.cuda.manual_seed_all = _cpu_manual_seed
+    apply("cpu-rng", torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    apply("cpu-rng", torch.cuda, "set_rng_state",
+          lambda new_state, device="cuda": torch.set_rng_state(new_state))
+    apply("cpu-rng", torch.cuda, "manual_seed", _cpu_manual_seed)
+    apply("cpu-rng", torch.cuda, "manual_seed_all", _cpu_manual_seed)
 
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -167,8 +184,8 @@ def _patch_cuda_rng() -> None:
             raise RuntimeError("graph-safe (CUDA graph) RNG states are not available on CPU")
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
+    apply("cpu-rng", mrandom, "_get_cuda_rng_state", get_state)
+    apply("cpu-rng", mrandom, "_set_cuda_rng_state", set_state)
     logging.getLogger(mrandom.__name__).addFilter(_drop_rng_changed_warning)
 
 
@@ -231,15 +248,15 @@ class NullEvent:
 
 
 def _patch_streams() -> None:
-    torch.cuda.Stream = NullStream
-    torch.cuda.Event = NullEvent
-    torch.cuda.current_stream = lambda device=None: NullStream()
-    torch.cuda.default_stream = lambda device=None: NullStream()
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext(stream)
-    torch.cuda.set_stream = lambda stream: None
-    torch.cuda.synchronize = lambda device=None: None
-    # CUDA graphs cannot exist on CPU; the real query reaches a missing C binding.
-    torch.cuda.is_current_stream_capturing = lambda: False
+    for name, value in (("Stream", NullStream), ("Event", NullEvent),
+                        ("current_stream", lambda device=None: NullStream()),
+                        ("default_stream", lambda device=None: NullStream()),
+                        ("stream", lambda stream=None: contextlib.nullcontext(stream)),
+                        ("set_stream", lambda stream: None),
+                        ("synchronize", lambda device=None: None),
+                        # CUDA graphs cannot exist on CPU; the real query reaches a missing binding
+                        ("is_current_stream_capturing", lambda: False)):
+        apply("cpu-streams", torch.cuda, name, value)
 
 
 # ---------------------------------------------------------------- 4. device rewrite
@@ -270,14 +287,6 @@ def _cuda_type_name(name: str) -> str:
     return name
 
 
-# Every torch factory that takes `device=` (and `pin_memory=`), and the Tensor methods that place.
-_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "range", "tensor", "as_tensor", "asarray",
-              "rand", "randn", "randint", "randperm", "eye", "linspace", "logspace",
-              "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-              "randn_like", "randint_like", "scalar_tensor", "tril_indices", "triu_indices")
-_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
-
-
 def _placed_on_cpu(factory: Callable) -> Callable:
     @functools.wraps(factory)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -294,10 +303,10 @@ def _patch_placement() -> None:
     # thousands per update of the tiny model, 7-9 us each on these CPUs, most of an update's
     # time), where only factories and Tensor.to/.cuda/.type ever carry a CUDA placement.
     # megatron reaches all of them through the `torch.` / tensor attribute at call time.
-    for name in _FACTORIES:
-        setattr(torch, name, _placed_on_cpu(getattr(torch, name)))
-    for name in _TENSOR_FACTORIES:
-        setattr(torch.Tensor, name, _placed_on_cpu(getattr(torch.Tensor, name)))
+    for name in TORCH_FACTORIES:
+        apply("cpu-placement", torch, name, _placed_on_cpu(getattr(torch, name)))
+    for name in TENSOR_FACTORIES:
+        apply("cpu-placement", torch.Tensor, name, _placed_on_cpu(getattr(torch.Tensor, name)))
     to, type_ = torch.Tensor.to, torch.Tensor.type
 
     @functools.wraps(to)
@@ -319,21 +328,25 @@ def _patch_placement() -> None:
             kwargs["dtype"] = _cpu_type_name(dtype)
         return type_(self, *args, **kwargs)
 
-    torch.Tensor.to = to_cpu
-    torch.Tensor.type = cuda_type
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    torch.Tensor.record_stream = lambda self, stream: None
+    for name, value in (("to", to_cpu), ("type", cuda_type),
+                        ("cuda", lambda self, *args, **kwargs: self),
+                        ("pin_memory", lambda self, *args, **kwargs: self),
+                        ("record_stream", lambda self, stream: None)):
+        apply("cpu-placement", torch.Tensor, name, value)
 
 
-# ---------------------------------------------------------------- 5./6. megatron bugs
+# ---------------------------------------------------------------- 5.-7. megatron's own calls
 
 
-def _patch_megatron() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+def _patch_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        apply("te-gemm-missing", moe_utils, "te_general_gemm", None)
+
+
+def _patch_split_sizes() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     original = moe_utils.maybe_move_tensor_to_cpu
 
@@ -342,11 +355,13 @@ def _patch_megatron() -> None:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+    apply("moe-split-sizes", token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
 
+
+def _patch_causal_mask() -> None:
     from megatron.core.fusions import fused_softmax
 
-    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    apply("causal-mask", fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
 
 @functools.lru_cache(maxsize=16)
@@ -375,7 +390,7 @@ def _patch_rope() -> None:
         # contiguous like megatron's final cat (callers `.view` it); a no-op for the usual layouts
         return (t * cos + torch.roll(t, dim // 2, dims=-1) * signed_sin).contiguous()
 
-    rope_utils._apply_rotary_pos_emb_bshd = rope_bshd
+    apply("rope-tables", rope_utils, "_apply_rotary_pos_emb_bshd", rope_bshd)
 
 
 _ROPE_CACHE: list = []  # [(freqs, mscale, dtype, cos, signed sin)], newest last
@@ -409,7 +424,7 @@ def _patch_tp_regions() -> None:
     from megatron.core.tensor_parallel import layers
 
     for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
-        setattr(layers, name, _identity_on_one_rank(getattr(layers, name)))
+        apply("one-rank-tp-regions", layers, name, _identity_on_one_rank(getattr(layers, name)))
 
 
 def _identity_on_one_rank(region: Callable) -> Callable:
@@ -429,10 +444,13 @@ def _patch_one_rank_collectives() -> None:
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
-        setattr(buffers, name, _skip_in_place_on_one_rank(getattr(buffers, name)))
-    torch.distributed.all_gather = _all_gather_here_on_one_rank(torch.distributed.all_gather)
-    torch.distributed.all_reduce = _reduce_here_on_one_rank(torch.distributed.all_reduce)
-    torch.distributed.broadcast = _broadcast_here_on_one_rank(torch.distributed.broadcast)
+        apply("one-rank-collectives", buffers, name,
+              _skip_in_place_on_one_rank(getattr(buffers, name)))
+    dist = torch.distributed
+    for name, wrap in (("all_gather", _all_gather_here_on_one_rank),
+                       ("all_reduce", _reduce_here_on_one_rank),
+                       ("broadcast", _broadcast_here_on_one_rank)):
+        apply("one-rank-collectives", dist, name, wrap(getattr(dist, name)))
 
 
 def _skip_in_place_on_one_rank(collective: Callable) -> Callable:
@@ -489,3 +507,12 @@ def _broadcast_here_on_one_rank(broadcast: Callable) -> Callable:
             return None
         return broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     return call
+
+
+# (registered name, what applies it), in the order install() applies them
+_PATCHES = [(name, fn, BY_NAME[name].speed_only) for name, fn in (
+    ("cpu-device", _patch_current_device), ("cpu-rng", _patch_cuda_rng),
+    ("cpu-streams", _patch_streams), ("cpu-placement", _patch_placement),
+    ("te-gemm-missing", _patch_te_gemm), ("moe-split-sizes", _patch_split_sizes),
+    ("causal-mask", _patch_causal_mask), ("rope-tables", _patch_rope),
+    ("one-rank-tp-regions", _patch_tp_regions), ("one-rank-collectives", _patch_one_rank_collectives))]

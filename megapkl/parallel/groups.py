@@ -26,6 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megapkl.parallel.dist_internals import default_group, process_groups
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
@@ -227,7 +229,7 @@ def init_parallel(
 
 def created_groups() -> set:
     """The process groups that exist now (to tell later which ones a run created)."""
-    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+    return set(process_groups())
 
 
 def release_groups(existing: set) -> None:
@@ -239,8 +241,8 @@ def release_groups(existing: set) -> None:
     ps.destroy_model_parallel()
     if not dist.is_initialized():
         return
-    default = dist.distributed_c10d._get_default_group()
-    for group in list(dist.distributed_c10d._world.pg_map):
+    default = default_group()
+    for group in process_groups():
         if group not in existing and group is not default:
             dist.destroy_process_group(group)
 

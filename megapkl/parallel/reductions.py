@@ -1,4 +1,4 @@
-"""Cross-rank reductions of detached statistics for the objectives (SPEC section 7).
+"""Cross-rank reductions of detached statistics for the objectives (docs/spec.md section 7).
 
 The objective math (`megapkl.objectives`) sees only local tokens and asks a `LossContext` for what
 spans further. This module fills that context from explicit process groups:

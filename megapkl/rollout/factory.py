@@ -10,6 +10,9 @@ from typing import Any, Callable, Optional
 
 from megapkl.config.layout import Layout
 from megapkl.rollout.engine import RolloutEngine, RolloutError
+# engine_owners (where the run's engines sit) is read by the trainer beside the builders here
+from megapkl.rollout.sglang.placement import (check_nodes, engine_owners,  # noqa: F401
+                                              releases_memory)
 
 
 def load_tokenizer(model: Any, data: Any, *, required: bool = True) -> Any:
@@ -91,29 +94,9 @@ def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
 def check_engine_hosts(rollout: Any, hosts: list[str], per_node: int) -> None:
     """Colocated SGLang servers megapkl launches: the placement's nodes must be the ranks' hosts
     (placement.check_nodes); `hosts[r]`: global rank r's host."""
-    from megapkl.rollout.sglang.launch import releases_memory
-    from megapkl.rollout.sglang.placement import check_nodes
-
     sg = rollout.sglang
     if rollout.engine == "sglang" and releases_memory(sg):
         check_nodes(hosts, per_node, gpus=not sg.server_command)
-
-
-def engine_owners(rollout: Any, lay: Layout) -> list[list[tuple[int, int]]]:
-    """For each data-parallel replica of the trainer layout `lay`, the
-    global ranks that run one of its engines and the servers each has, in node order: colocated
-    SGLang fleets megapkl launches are their nodes' (rollout/sglang/placement.py); any other
-    engine is the replica leader's alone. A stand-in `server_command` takes no GPU: its servers
-    are spread the same way, with no GPU to fit."""
-    from megapkl.rollout.sglang.launch import releases_memory
-    from megapkl.rollout.sglang.placement import fleet_owners
-
-    sg = rollout.sglang
-    if rollout.engine != "sglang" or not releases_memory(sg):  # not colocated servers we launch
-        return [[(lay.leader(d), 1)] for d in range(lay.dp)]
-    return [fleet_owners(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
-                         replica=d, every_node=sg.every_node, gpus=not sg.server_command)
-            for d in range(lay.dp)]
 
 
 def engine_context(model: Any, hf_config: dict, *, work_dir: Any, seed: int, layout: Layout,

@@ -16,13 +16,13 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from megapkl.errors import MegapklError
+from megapkl.parallel.dist_internals import group_outside_world
 from megapkl.rollout import fp8 as FP8
 from megapkl.rollout.embedded import EmbeddedEngine, iter_safetensors
 from megapkl.rollout.engine import SamplingParams, WeightUpdateError
@@ -379,24 +379,16 @@ class ServeState:
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str, timeout_s: float = 300.0
                    ) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
         if group_name in self._groups:
             raise RequestError(f"group_name: a weight-update group {group_name!r} already exists")
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise RequestError("backend: 'nccl' needs the engine on a GPU; this server runs on "
                                f"{self.engine.device}, use backend 'gloo'")
-        timeout = timedelta(seconds=timeout_s)
         # The rendezvous of SGLang's init_custom_process_group: a TCP store prefixed by the
         # group name, ranks rank_offset + tp_rank (this server has one rank).
         url = f"tcp://{_host_for_url(master_address)}:{master_port}"
-        store, rank, size = next(c10d.rendezvous(url, rank_offset, world_size, timeout=timeout))
-        store.set_timeout(timeout)
-        store = c10d.PrefixStore(group_name, store)
-        pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend(backend), store,
-                                               group_name=group_name, timeout=timeout)
-        c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}
-        self._groups[group_name] = pg
+        self._groups[group_name] = group_outside_world(backend, url, rank_offset, world_size,
+                                                       group_name, timeout_s)
 
     def destroy_group(self, group_name: str) -> None:
         import torch.distributed as dist

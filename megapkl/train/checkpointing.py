@@ -1,4 +1,5 @@
-"""Trainer checkpoints: exact, crash-safe and reshardable resume (SPEC 10: 2N steps == N + resume + N).
+"""Trainer checkpoints: exact, crash-safe and reshardable resume (docs/spec.md section 10: 2N
+steps == N + resume + N).
 
 `CheckpointManager` is the one place that decides whether a save is due, saves (exactly once per
 step), loads, prunes and verifies. The components own their state: each part it is handed writes

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megapkl.errors import MegapklError
+from megapkl.parallel.dist_internals import abort_process_groups, default_store
 from megapkl.parallel.groups import mark_out_of_step
 
 KEY = "megapkl/failure"
@@ -78,7 +79,7 @@ class FailureNotice:
         """The notice of this process's world (None alone or without torch.distributed)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         nccl = "nccl" in str(dist.get_backend())  # also "cpu:gloo,cuda:nccl"
         return cls(store, dist.get_rank(), dist.get_world_size(), abort=nccl)
 
@@ -104,7 +105,7 @@ class FailureNotice:
             except Exception:  # noqa: BLE001 - the failed rank may have left with the store
                 pass
             if self.abort:  # NCCL: the collective waiting for the failed rank raises now
-                dist.distributed_c10d._abort_process_group()
+                abort_process_groups()
             return
 
     # ------------------------------------------------------------------ the run's exit

@@ -30,7 +30,8 @@ SNAPSHOT_INDEX = "index.json"
 
 
 def optim_settings(t, parallel) -> OptimSettings:
-    """Adam settings from the `train` section (SPEC 10) and the `parallel` one's optimizer."""
+    """Adam settings from the `train` section (docs/spec.md section 10) and the `parallel` one's
+    optimizer."""
     return OptimSettings(
         lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip or 0.0,

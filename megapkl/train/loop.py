@@ -1,4 +1,4 @@
-"""The RL train loop (SPEC section 10), top to bottom:
+"""The RL train loop (docs/spec.md section 10), top to bottom:
 
     for each optimizer update u:
         plan = schedule.plan(u)                     which versions generate, when the reference moves

@@ -37,7 +37,8 @@ class LoopState:
         return self.batch[m * per:(m + 1) * per]
 
     def count(self, u: int, metrics: dict, applied: bool) -> None:
-        """SPEC: a NaN/Inf loss skips the update with a logged count; too many in a row abort."""
+        """A NaN/Inf loss skips the update with a logged count; too many in a row abort
+        (docs/reliability.md)."""
         if applied:
             self.nan_streak = 0
         else:

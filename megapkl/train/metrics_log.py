@@ -1,4 +1,5 @@
-"""Per-update metrics to JSONL, TensorBoard and W&B, and a one-line progress display (SPEC section 9).
+"""Per-update metrics to JSONL, TensorBoard and W&B, and a one-line progress display (docs/spec.md
+section 9).
 
 Rank 0 writes; other ranks construct the logger with `enabled=False`. Each JSONL row is one
 optimizer update: {"step": u, "time": seconds since start, <metric>: value, ...}.

@@ -25,6 +25,8 @@ from typing import Any, Optional, TypeVar
 
 import torch.distributed as dist
 
+from megapkl.parallel.dist_internals import is_member, process_groups, set_group_timeout
+
 T = TypeVar("T")
 PREEMPTION = "preemption"
 
@@ -127,14 +129,9 @@ class RunContext:
             return
         dist.barrier()
         timeout = datetime.timedelta(seconds=seconds)
-        # torch 2.14 made it public; 2.13 (the lowest torch pyproject.toml admits) has the same
-        # call under its former private name
-        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-        world = dist.distributed_c10d._world.pg_map  # every group this process created
-        for group in list(world):
-            if dist.distributed_c10d._rank_not_in_group(group):
-                continue
-            set_timeout(timeout, group)
+        for group in process_groups():  # every group this process created
+            if is_member(group):
+                set_group_timeout(timeout, group)
 
     def stop(self, reason: str, u: int, checkpoint: Path) -> None:
         """After update u's checkpoint: requeue a preempted job (never returns), or say why a

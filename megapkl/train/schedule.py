@@ -1,4 +1,5 @@
-"""Which policy version generates each batch, and when the proximal reference refreshes (SPEC 10).
+"""Which policy version generates each batch, and when the proximal reference refreshes
+(docs/spec.md section 10).
 
 A pure function of the optimizer-update index, so a resumed run replays the same schedule. The
 learner's version is the number of optimizer updates applied: before update u it is version u.

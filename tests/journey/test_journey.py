@@ -480,8 +480,9 @@ def test_own_reward(work):
     assert all(abs(r["reward/mean"] - (2 * r["train/accuracy"] - 1)) < 1e-6 for r in rows), rows
 
 
-def test_readme_lists_every_command():
-    """README's command list names every subcommand of the CLI, and nothing else."""
+def test_the_docs_list_every_command():
+    """The command list of docs/getting-started.md names every subcommand of the CLI, and nothing
+    else."""
     import argparse
     import re
 
@@ -494,8 +495,8 @@ def test_readme_lists_every_command():
                     nested = list(commands(sub, f"{prefix}{name} "))
                     yield from nested or [f"{prefix}{name}"]
 
-    block = re.search(r"## Commands\n\n```bash\n(.*?)```", (REPO / "README.md").read_text(),
-                      flags=re.S).group(1)
+    block = re.search(r"## Commands\n\n```bash\n(.*?)```",
+                      (REPO / "docs" / "getting-started.md").read_text(), flags=re.S).group(1)
     lines = []
     for line in block.splitlines():
         words = line.split()
@@ -503,6 +504,6 @@ def test_readme_lists_every_command():
             lines += [" ".join(["megapkl", w, *words[2:]]) + " " for w in words[1].split("|")]
     cli = set(commands(build_parser()))
     missing = [c for c in cli if not any(line.startswith(f"megapkl {c} ") for line in lines)]
-    assert not missing, f"README's command list lacks {sorted(missing)}"
+    assert not missing, f"docs/getting-started.md's command list lacks {sorted(missing)}"
     top = {c.split()[0] for c in cli}
     assert all(line.split()[1] in top for line in lines), lines

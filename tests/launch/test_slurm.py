@@ -19,9 +19,10 @@ import submitit
 
 from megapkl.launch import jobs
 from megapkl.launch.cli import main as cli_main
+from megapkl.launch.jobs import sweep_rows
 from megapkl.launch.runtime import rendezvous_port
 from megapkl.launch.submit import read_launch, read_metrics, submit
-from megapkl.launch.sweep import sweep, sweep_rows
+from megapkl.launch.sweep import sweep
 
 from .conftest import _TIMINGS, TINY, TOY, master_ports, read_events, wait_done, wait_state
 

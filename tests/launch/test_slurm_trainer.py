@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("slurm_cluster")
 # Enough updates (about 0.1 s each) that an interrupt sent once 2 rows are logged lands well before
 # the last update, in both the uninterrupted reference and the preempted run.
 STEPS = 40
-# SPEC section 9 metrics every update of the demo's objective (proximal KL) logs.
+# docs/spec.md section 9 metrics every update of the demo's objective (proximal KL) logs.
 SPEC_METRICS = {"loss", "grad_norm", "lr", "reward/mean", "train/accuracy", "staleness/mean",
                 "staleness/max", "response_len/mean", "tokens_per_s", "coef/mean",
                 "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min", "is/log_dev", "kl/prox_k3",
@@ -54,8 +54,8 @@ def trainer_reference(slurm_cluster, launch_tmp: Path):  # noqa: ARG001 - orderi
 
 def test_trainer_two_task_job_over_gloo_returns_metrics(trainer_reference) -> None:
     """2 Slurm tasks, DP=2 over gloo, the real trainer: every task returns the last update's
-    metrics; rank 0 logs every update's SPEC metrics to <run_dir>/metrics.jsonl, the one metrics
-    file of the run, which `megapkl status` reads."""
+    metrics; rank 0 logs every update's metrics of docs/spec.md section 9 to
+    <run_dir>/metrics.jsonl, the one metrics file of the run, which `megapkl status` reads."""
     sub, results = trainer_reference
     run_dir = sub.run_dir
     assert len(results) == 2

@@ -116,7 +116,7 @@ def test_submit_records_the_profile_constraint():
     """`megapkl submit --profile` validates the run against the profile's GPU type."""
     from types import SimpleNamespace
 
-    from megapkl.launch.submit import shape_overrides
+    from megapkl.launch.shape import shape_overrides
 
     prof = SimpleNamespace(constraint="v100", uses_gpus=False)
     extra = shape_overrides(SimpleNamespace(slurm_explicit={}), prof, "old_gpus")

@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapkl.parallel.patches import speed_patches_on
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility layer")
+# tests of a speed-only patch: nothing to test when MEGAPKL_SPEED_PATCHES=0 leaves it out
+speed_patch = pytest.mark.skipif(not speed_patches_on(), reason="speed-only patches off")
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 
@@ -197,6 +201,7 @@ def _bits(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
+@speed_patch
 def test_rope_matches_megatron_bit_for_bit(dist_run):
     """Patch 8: cached tables and a roll give megatron's unfused RoPE exactly, forward and
     backward (signed zeros included); a layout it does not cover goes to megatron's own."""
@@ -236,6 +241,7 @@ def test_rope_matches_megatron_bit_for_bit(dist_run):
     assert dist_run(worker, 1) == [[True] * 5]
 
 
+@speed_patch
 def test_tp_regions_are_identities_on_one_rank(dist_run):
     """Patch 9: a one-rank TP group skips the copy / all-reduce Function; larger groups keep
     megatron's (test_gpt_tp2_matches_tp1 runs them)."""
@@ -384,6 +390,7 @@ def buffer_collectives(rank, world_size, patched):
     return logits, norm, ran
 
 
+@speed_patch
 def test_buffer_collectives_skipped_on_one_rank(dist_run):
     """Patch 10: on one rank megatron's bucket reduce-scatter and all-gather (gloo copies a bucket
     onto itself in its own thread) are skipped, with bit-identical parameters; two ranks run them."""
@@ -409,6 +416,7 @@ def gathers(rank, world_size):
             for r, o in enumerate(out)], ran
 
 
+@speed_patch
 def test_all_gather_is_a_copy_on_one_rank(dist_run):
     ((same, ran),) = dist_run(gathers, 1)
     assert same == [True] and ran == [], ran
@@ -446,6 +454,7 @@ def reductions(rank, world_size):
     return values, ran, taken, wrong_src
 
 
+@speed_patch
 def test_all_reduce_and_broadcast_run_nothing_on_one_rank(dist_run):
     ((values, ran, taken, wrong_src),) = dist_run(reductions, 1)
     assert values == [True] * 3 and ran == [] and taken and wrong_src == "refused", (ran, taken)

@@ -1,4 +1,4 @@
-"""Partition invariance with a real megatron-core GPTModel (SPEC section 7).
+"""Partition invariance with a real megatron-core GPTModel (docs/spec.md section 7).
 
 For every objective of the library, the loss value, every per-token coefficient and every
 parameter gradient of a distributed run (megatron DDP + forward-backward schedules +

@@ -1,1 +1,2 @@
-"""Independent, naive float64 reference of SPEC.md objectives (no imports from megapkl.objectives)."""
+"""Independent, naive float64 reference of docs/spec.md objectives (no imports from
+megapkl.objectives)."""

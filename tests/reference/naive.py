@@ -1,11 +1,11 @@
-"""Naive float64 reference of the SPEC.md policy objectives.
+"""Naive float64 reference of the policy objectives of docs/spec.md.
 
-Written from SPEC.md alone, deliberately slow: explicit Python loops per token, per response and per
-group, plain `math` in float64 (Python floats). It must NOT import anything from
+Written from docs/spec.md alone, deliberately slow: explicit Python loops per token, per response
+and per group, plain `math` in float64 (Python floats). It must NOT import anything from
 `megapkl.objectives`; the only shared piece with the library is the SIS uniform draws, which callers
 pass in as `u` (one float in [0, 1) per token).
 
-Reading of SPEC points that are not spelled out verbatim (see also the README-like notes in
+Reading of docs/spec.md points that are not spelled out verbatim (see also the README-like notes in
 `naive_policy_loss`):
 
 * per-token aggregation factor f_t: 1/T_m for `seq_mean_token_mean`, 1 otherwise; Z = N (token_mean),
@@ -40,7 +40,7 @@ DEFAULT_AGG = {"gspo": "seq_mean_token_mean", "gepo": "seq_mean_token_mean", "te
 DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "tetpo": (0.2, 0.2),
                "gepo": (0.2, 0.2)}
 
-# Metrics SPEC section 9 lists, per objective family (the ones this reference computes).
+# Metrics docs/spec.md section 9 lists, per objective family (the ones this reference computes).
 COMMON_METRICS = ("loss", "coef/mean", "coef/abs_max", "is/w_mean", "is/w_max", "is/w_min",
                   "is/log_dev", "kl/prox_k3")
 
@@ -73,7 +73,8 @@ def clip(x: float, lo: float, hi: float) -> float:
 
 
 def active(x: float, a: float, eps_lo: float, eps_hi: float) -> bool:
-    """SPEC 4: the branch of min(x A, clip(x, 1-lo, 1+hi) A) whose gradient is nonzero."""
+    """docs/spec.md section 4: the branch of min(x A, clip(x, 1-lo, 1+hi) A) whose gradient is
+    nonzero."""
     return not ((a > 0 and x > 1.0 + eps_hi) or (a < 0 and x < 1.0 - eps_lo))
 
 
@@ -82,7 +83,7 @@ def clipped_term(x: float, a: float, eps_lo: float, eps_hi: float) -> float:
 
 
 def resolve_cfg(cfg: Mapping[str, Any]) -> dict:
-    """SPEC section 8 defaults plus the per-objective defaults."""
+    """docs/spec.md section 8 defaults plus the per-objective defaults."""
     out = {
         "name": "proximal_kl", "aggregation": None, "beta": 0.30, "horizon": "full",
         "cost_clip": 0.05, "tail": "none", "eps_clip_low": None, "eps_clip_high": None, "clip_ratio_c": None,
@@ -131,7 +132,7 @@ def groups_of(group_index: Sequence[int]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# advantages (SPEC 3)
+# advantages (docs/spec.md section 3)
 # --------------------------------------------------------------------------------------------------
 def naive_advantages(rewards, group_index, mode: str = "group_mean", perturb_baseline: bool = False,
                      std_eps: float = 1e-5) -> list[float]:
@@ -168,7 +169,8 @@ def naive_advantages(rewards, group_index, mode: str = "group_mean", perturb_bas
 
 
 # --------------------------------------------------------------------------------------------------
-# future-KL credit (SPEC 4.1), O(T*H) on purpose: independent of the library's prefix sums
+# future-KL credit (docs/spec.md section 4.1), O(T*H) on purpose: independent of the library's
+# prefix sums
 # --------------------------------------------------------------------------------------------------
 def naive_credit_response(l: Sequence[float], beta: float, horizon, cost_clip, tail: str = "none"
                           ) -> list[float]:
@@ -203,7 +205,7 @@ def naive_credit(l, response_index, beta, horizon, cost_clip, tail="none") -> li
 
 
 # --------------------------------------------------------------------------------------------------
-# TETPO (SPEC 4.2)
+# TETPO (docs/spec.md section 4.2)
 # --------------------------------------------------------------------------------------------------
 def naive_ess(L: Sequence[float], alpha: float) -> float:
     """(sum e^{aL})^2 / sum e^{2aL}, shifted by the max for stability."""
@@ -258,7 +260,7 @@ def naive_temper(L, group_index, kappa=0.85, n_iter=24):
 
 
 # --------------------------------------------------------------------------------------------------
-# GEPO (SPEC 4.4)
+# GEPO (docs/spec.md section 4.4)
 # --------------------------------------------------------------------------------------------------
 def naive_gepo_weights(Lpi, Lmu, group_index) -> list[float]:
     """weight_i = pi(y_i) / sum_j q_j mu(y_j), q_j = mu_j / sum_k mu_k, in log space."""
@@ -273,7 +275,7 @@ def naive_gepo_weights(Lpi, Lmu, group_index) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# M2PO greedy_all (SPEC 4.4)
+# M2PO greedy_all (docs/spec.md section 4.4)
 # --------------------------------------------------------------------------------------------------
 def naive_m2po_mask(delta, tau: float) -> list[float]:
     d = [float(x) for x in _list(delta)]
@@ -335,7 +337,7 @@ def naive_cov(logp, adv_tok) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# SIS (SPEC 4.3)
+# SIS (docs/spec.md section 4.3)
 # --------------------------------------------------------------------------------------------------
 def naive_sis_accept(logp, logp_behav, token_ids, topk_ids, topk_logp_behav, topk_logp, u) -> list[int]:
     lp, lb = _list(logp), _list(logp_behav)
@@ -581,7 +583,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
             s += f[t] * float(ent[t])
         loss -= ent_coef * s / Z
 
-    # metrics (SPEC 9)
+    # metrics (docs/spec.md section 9)
     metrics["loss"] = loss
     metrics["coef/mean"] = sum(coef) / N
     metrics["coef/abs_max"] = max(abs(c) for c in coef)
@@ -638,7 +640,7 @@ def naive_policy_loss(cfg_dict: Mapping[str, Any], batch: Mapping[str, Any], u=N
 
 
 def expected_metric_names(cfg_dict: Mapping[str, Any], has_entropy: bool = False) -> set[str]:
-    """SPEC section 9 metric names that apply to a config."""
+    """docs/spec.md section 9 metric names that apply to a config."""
     cfg = resolve_cfg(cfg_dict)
     name = cfg["name"]
     names = set(COMMON_METRICS)

@@ -1,4 +1,4 @@
-"""Protocol schedules (SPEC 10) checked step by step."""
+"""Protocol schedules (docs/spec.md section 10) checked step by step."""
 import pytest
 
 from megapkl.config import load_config

@@ -18,7 +18,7 @@ from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, loc
                                            releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
-from megapkl.rollout.sglang.placement import PlacementError, Slot, fleet_slots
+from megapkl.rollout.sglang.placement import PlacementError, Slot, engine_owners, fleet_slots
 from megapkl.rollout.sglang.served import (DETERMINISTIC, Expected, check_served, draws_from_seed,
                                            expected)
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
@@ -127,8 +127,6 @@ class Lane:
 
 
 def fleet_lane(rollout: Any, ctx: Any) -> Lane:
-    from megapkl.rollout.factory import engine_owners
-
     sg = rollout.sglang
     if not sg.colocate:
         return Lane(servers=sg.num_engines, lane=ctx.replica, lanes=ctx.layout.dp)

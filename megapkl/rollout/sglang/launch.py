@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 from megapkl.errors import MegapklError
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.affinity import server_cpus
-from megapkl.rollout.sglang.placement import Slot
+from megapkl.rollout.sglang.placement import Slot, releases_memory
 
 log = logging.getLogger(__name__)
 
@@ -199,14 +199,6 @@ def slurm_nodes() -> list[str]:
     from submitit.slurm.slurm import SlurmJobEnvironment
 
     return SlurmJobEnvironment().hostnames
-
-
-def releases_memory(sg: Any) -> bool:
-    """Does megapkl hand the servers' GPU memory to the trainer between generations? Only for
-    colocated servers it launched itself (servers named by `urls` are left alone). Such servers
-    start with SGLang's memory saver, and `megapkl plan` counts their memory as free while
-    training."""
-    return bool(sg.colocate and not sg.urls)
 
 
 def server_command(sg: Any, *, model_path: str, host: str, port: int,

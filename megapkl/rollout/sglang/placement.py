@@ -21,7 +21,7 @@ in megatron-core's order (tensor fastest, then context, data, pipeline). A serve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megapkl.config.layout import Layout
 from megapkl.errors import MegapklError
@@ -188,3 +188,24 @@ def fleet_owners(*, num_engines: int, tp: int, colocate: bool, lay: Layout,
     return [(f.owner, f.servers) for f in colocated_fleets(
         num_engines=num_engines, tp=tp, lay=lay, replica=replica, every_node=every_node,
         gpus=gpus)]
+
+
+def releases_memory(sg: Any) -> bool:
+    """Does megapkl hand the servers' GPU memory to the trainer between generations? Only for
+    colocated servers it launched itself (servers named by `urls` are left alone). Such servers
+    start with SGLang's memory saver, and `megapkl plan` counts their memory as free while
+    training."""
+    return bool(sg.colocate and not sg.urls)
+
+
+def engine_owners(rollout: Any, lay: Layout) -> list[list[tuple[int, int]]]:
+    """For each data-parallel replica of the trainer layout `lay`, the global ranks that run one of
+    its engines and the servers each has, in node order: colocated SGLang fleets megapkl launches
+    are their nodes' (`fleet_owners`); any other engine is the replica leader's alone. A stand-in
+    `server_command` takes no GPU: its servers are spread the same way, with no GPU to fit."""
+    sg = rollout.sglang
+    if rollout.engine != "sglang" or not releases_memory(sg):  # not colocated servers we launch
+        return [[(lay.leader(d), 1)] for d in range(lay.dp)]
+    return [fleet_owners(num_engines=sg.num_engines, tp=sg.tp, colocate=True, lay=lay,
+                         replica=d, every_node=sg.every_node, gpus=not sg.server_command)
+            for d in range(lay.dp)]

@@ -36,15 +36,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from megapkl.parallel.dist_internals import group_outside_world
 from megapkl.parallel.groups import group_device
 from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
@@ -88,51 +87,8 @@ def open_update_group(backend: str, address: str, port: int, world_size: int, ra
     """A process group outside the default world (what SGLang's servers open on their side of
     `/init_weights_update_group`): TCP rendezvous at address:port, store prefixed by group name.
     `local_name` registers it under another name in this process (two members in one process)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    with unbound_default_group():
-        pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                            group_name=local_name or group_name,
-                                            timeout=timeout)
-    pg = pg[0] if isinstance(pg, tuple) else pg
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-_UNBINDING = threading.Lock()
-
-
-@contextmanager
-def unbound_default_group() -> Iterator[None]:
-    """The default group shown as unbound to a device for the duration of the block.
-
-    A default group bound to a device (`init_process_group(device_id=...)`, what the Slurm and
-    torchrun launch does) makes torch's `_new_process_group_helper` build every new NCCL group by
-    `ncclCommSplit` from the default communicator (its split predicate is
-    `is_initialized() and _get_default_group().bound_device_id`). A split is collective over the
-    trainer's whole world, which the servers are no part of: the first broadcast of the
-    weight-update group would wait forever. Hidden, the binding leaves the new group a
-    communicator of its own (made by its members only, at its first collective). The binding is
-    a plain field of the default group, put back at once; the lock keeps two group makings from
-    restoring each other's view."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if not c10d.is_initialized() or c10d._get_default_group().bound_device_id is None:
-        yield
-        return
-    default = c10d._get_default_group()
-    with _UNBINDING:
-        bound = default.bound_device_id
-        default.bound_device_id = None
-        try:
-            yield
-        finally:
-            default.bound_device_id = bound
+    return group_outside_world(backend, f"tcp://{address}:{port}", rank, world_size, group_name,
+                               timeout_s, local_name)
 
 
 def free_cached_memory(group: Any = None) -> None:
