@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 / Qwen3-MoE checkpoints into and out of the sharded megatron model.
+"""Hugging Face checkpoints (Qwen3, Qwen3-MoE, Llama 3.x) into and out of the sharded megatron model.
 
 Import (`load_hf_weights`): every rank reads, with safetensors' lazy slices, only the rows or
 columns its own TP/EP shard needs, so no rank ever holds a full checkpoint. The checkpoint is
@@ -104,6 +104,8 @@ class HFCheckpoint:
 # Spec fields a config.json must agree on (shapes alone do not show rope/eps/routing choices).
 _CONFIG_KEYS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups", "head_dim", "ffn_hidden_size", "qk_layernorm", "rope_theta",
+                "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position_embeddings",
                 "rms_norm_eps", "tie_word_embeddings", "num_experts", "moe_router_topk",
                 "moe_ffn_hidden_size", "moe_norm_topk_prob")
 
