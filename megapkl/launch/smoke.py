@@ -1,16 +1,17 @@
 """`megapkl smoke CONFIG [KEY=VALUE ...]`: a run config followed end to end on this machine, on a
 tiny twin of its model, before it is submitted.
 
-The twin is of the same family (Qwen3, Qwen3-MoE, Llama) as the config's model, written as a local Hugging
-Face checkpoint with a tokenizer (megapkl.models.tiny). The objective, protocol, staleness, async
-batches, reference, FP8 and weight-sync choices are the config's own; what scales the run to one
-CPU process is replaced: model, parallel layout, batch and lengths, the SGLang fleet (`megapkl
-serve` workers stand in for SGLang, one process each), Slurm keys. A few rows of the config's
-training and evaluation data are taken when the files are here, synthetic rows otherwise. Then
-the very commands a user runs: `megapkl train` (a handful of updates), `megapkl eval` of the final
-checkpoint and `megapkl plot`, each in its own process with its log in the smoke directory. The
-report, one screen, says what was kept, what was replaced, how each stage ended, and what cannot
-be checked here. `tools/smoke_all.py` smokes every run config of configs/experiments/.
+The twin is of the same family (Qwen3, Qwen3-MoE, Llama) as the config's model, written as a
+local Hugging Face checkpoint with a tokenizer (megapkl.models.tiny). The objective, protocol,
+staleness, async batches, reference, FP8 and weight-sync choices are the config's own; what
+scales the run to one CPU process is replaced: model, parallel layout, batch and lengths, the
+SGLang fleet (`megapkl serve` workers stand in for SGLang, one process each), Slurm keys. A few
+rows of the config's training and evaluation data are taken when the files are here, synthetic
+rows otherwise. Then the very commands a user runs: `megapkl train` (a handful of updates),
+`megapkl eval` of the final checkpoint and `megapkl plot`, each in its own process with its log
+in the smoke directory. The report, one screen, says what was kept, what was replaced, how each
+stage ended, and what cannot be checked here. `tools/smoke_all.py` smokes every run config of
+configs/experiments/.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ class Family:
 
 FAMILY: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "qwen3", "Qwen3ForCausalLM", moe=False, qk_layernorm=True,
-           tiny_twin="tiny-qwen3", flags=(("attention_bias", False), ("use_sliding_window", False))),
+           tiny_twin="tiny-qwen3",
+           flags=(("attention_bias", False), ("use_sliding_window", False))),
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_layernorm=True,
            tiny_twin="tiny-qwen3-moe",
            flags=(("attention_bias", False), ("use_sliding_window", False))),
@@ -153,15 +154,16 @@ def validate(spec: ModelSpec) -> ModelSpec:
         raise SpecError(f"num_attention_heads ({spec.num_attention_heads}) must be divisible by "
                         f"num_query_groups ({spec.num_query_groups})")
     if spec.qk_layernorm != family.qk_layernorm:
-        raise SpecError(f"qk_layernorm: family {spec.family!r} {'has' if family.qk_layernorm else 'has no'}"
-                        f" QK norm (its checkpoints {'hold' if family.qk_layernorm else 'hold no'} "
-                        f"q_norm/k_norm), got qk_layernorm={spec.qk_layernorm}")
+        has = "has" if family.qk_layernorm else "has no"
+        raise SpecError(f"qk_layernorm: family {spec.family!r} {has} QK norm (q_norm/k_norm in "
+                        f"its checkpoints), got qk_layernorm={spec.qk_layernorm}")
     _validate_rope(spec)
     if family.moe:
         for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
             value = getattr(spec, key)
             if not isinstance(value, int) or value < 1:
-                raise SpecError(f"{key}: a {spec.family} model needs a positive integer, got {value!r}")
+                raise SpecError(f"{key}: a {spec.family} model needs a positive integer, "
+                                f"got {value!r}")
         if spec.moe_router_topk > spec.num_experts:
             raise SpecError(f"moe_router_topk ({spec.moe_router_topk}) exceeds num_experts "
                             f"({spec.num_experts})")
@@ -301,7 +303,8 @@ def spec_from_hf_config(config: str | os.PathLike | Mapping[str, Any], name: str
     if family.moe:
         values.update(
             # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
-            num_experts=config["num_experts"] if "num_experts" in config else config["num_local_experts"],
+            num_experts=config["num_experts"] if "num_experts" in config
+            else config["num_local_experts"],
             moe_router_topk=config["num_experts_per_tok"],
             moe_ffn_hidden_size=config["moe_intermediate_size"],
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),

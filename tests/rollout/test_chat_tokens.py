@@ -65,8 +65,9 @@ def llama(tmp_path_factory):
     """Llama-3.2-3B-Instruct as megapkl sees it: tokenizer (eos <|eot_id|>, no pad) and the
     release's config.json / generation_config.json ids."""
     d = tmp_path_factory.mktemp("llama32")
-    tok = _tokenizer(d, 128256, LLAMA_NAMED, 128256, (FIXTURES / "llama3_2_instruct.jinja").read_text(),
-                     bos="<|begin_of_text|>", add_bos=True, eos_token="<|eot_id|>")
+    template = (FIXTURES / "llama3_2_instruct.jinja").read_text()
+    tok = _tokenizer(d, 128256, LLAMA_NAMED, 128256, template, bos="<|begin_of_text|>",
+                     add_bos=True, eos_token="<|eot_id|>")
     for name in ("config.json", "generation_config.json"):
         (d / name).write_text(json.dumps(LLAMA_CONFIG))
     return tok, d
@@ -83,7 +84,8 @@ def qwen(tmp_path_factory):
 
 
 def _dataset(tok, template="qwen_math", problem=PROBLEM, **kw):
-    return PromptDataset([PromptRecord(problem, "3", source="p.jsonl", line=7)], tok, template, **kw)
+    record = PromptRecord(problem, "3", source="p.jsonl", line=7)
+    return PromptDataset([record], tok, template, **kw)
 
 
 def test_llama_prompt_never_depends_on_the_day(llama):
