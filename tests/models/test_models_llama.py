@@ -219,13 +219,13 @@ def _save(rank, world_size, ckpt, out):
     from megapkl.models.hf import save_hf_checkpoint
 
     groups, model = build_loaded(ckpt.path, ckpt.name, tp=2, pp=2)
-    save_hf_checkpoint(model, out, groups=groups, shard_bytes=32 << 10)
+    save_hf_checkpoint(model, out, groups=groups, shard_bytes=32 << 10, source=ckpt.path)
 
 
 def test_saved_llama_loads_in_transformers_bit_for_bit(dist_run, llama_ckpt, tmp_path):
     """save_hf_checkpoint at TP 2 x PP 2 (the tie spans the first and last stages): transformers
-    loads it as a LlamaForCausalLM with every weight, the frequencies and the logits of the
-    original."""
+    loads it as a LlamaForCausalLM with every weight, the frequencies, the logits and the stop
+    ids of the original."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -244,3 +244,5 @@ def test_saved_llama_loads_in_transformers_bit_for_bit(dist_run, llama_ckpt, tmp
     assert torch.equal(reloaded.model.rotary_emb.inv_freq, original.model.rotary_emb.inv_freq)
     with torch.no_grad():
         assert torch.equal(reloaded(llama_ckpt.ids).logits, llama_ckpt.logits)
+    assert (reloaded.config.bos_token_id, reloaded.config.eos_token_id) == (0, [1, 4, 5])
+    assert reloaded.generation_config.eos_token_id == [1, 4, 5]

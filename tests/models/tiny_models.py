@@ -55,7 +55,8 @@ def llama_hf_config(**changes):
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=128,
                   rope_parameters=dict(LLAMA_ROPE), rms_norm_eps=1e-5,
-                  max_position_embeddings=512, tie_word_embeddings=True)
+                  max_position_embeddings=512, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=[1, 4, 5])  # the tiny-llama twin's ids
     common.update(changes)
     return LlamaConfig(**common)
 
