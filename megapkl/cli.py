@@ -5,7 +5,7 @@
     megapkl config reference [--out FILE]        every config key (docs/config.md)
     megapkl train CONFIG [KEY=VALUE ...] [--if-exists error|resume|overwrite]
                                                  train (validates the config first)
-    megapkl demo [--compare] [KEY=VALUE ...]     the CPU demo (configs/demo/cpu_demo.yaml)
+    megapkl demo [--compare|--lookup] [KEY=VALUE ...]  the CPU demo (configs/demo/cpu_demo.yaml)
     megapkl plot RUN_DIR... [--out DIR]          EMA-smoothed curves into PNG files
     megapkl smoke CONFIG [KEY=VALUE ...]         the config end to end on a tiny twin of its model
     megapkl compare CONFIG --methods A,B --seeds N   methods x seeds, intervals and a report
@@ -100,19 +100,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_config_path() -> str:
+def demo_config_path(name: str = "cpu_demo") -> str:
     from megapkl.config import configs_dir
-    return str(configs_dir() / "demo" / "cpu_demo.yaml")
+    return str(configs_dir() / "demo" / f"{name}.yaml")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds."""
-    path = demo_config_path()
+    """The CPU demo (Proximal KL), or with --compare Proximal KL, GRPO and PG over seeds, or
+    with --lookup the multi-turn demo (a tool call)."""
+    if args.lookup and args.compare:
+        raise UsageError("megapkl demo: --lookup and --compare are separate demos; pick one")
+    path = demo_config_path("cpu_lookup" if args.lookup else "cpu_demo")
     _load(path, args.overrides)  # a bad override is a config error before anything starts
     from megapkl import runlog
     from megapkl.analysis.demo import run_demo
 
-    runs = run_demo(path, args.overrides, args.compare, seeds=args.seeds)
+    runs = run_demo(path, args.overrides, args.compare, seeds=args.seeds,
+                    name="cpu_lookup" if args.lookup else "cpu_demo_proximal_kl")
     runlog.attach(runs[0])  # what this process held (the ranks wrote theirs there already)
     return 0
 
@@ -206,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", action="store_true",
                       help="Proximal KL, GRPO and PG over several seeds, with intervals")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per method with --compare")
+    demo.add_argument("--lookup", action="store_true",
+                      help="the multi-turn demo: the model learns to call a tool (docs/agents.md)")
     add_overrides(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -261,8 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megapkl.data.cli import add_subcommands as add_data  # data prepare, data list
     from megapkl.analysis.eval_cli import add_subcommands as add_eval  # eval
 
+    from megapkl.retriever.cli import add_subcommands as add_retriever  # retriever index|serve
+
     add_data(sub)
     add_eval(sub)
+    add_retriever(sub)
     return parser
 
 

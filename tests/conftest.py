@@ -34,7 +34,7 @@ def dist_run(megatron_loaded):
 # markers: under pytest 9, xdist 3.8's markers no longer change the test ids and group nothing.)
 GROUPS = {
     "slurm": ("launch/", "journey/"),
-    "servers": ("serve/", "contract/", "rollout/test_sglang_", "reliability/test_engine_outage.py",
+    "servers": ("serve/", "contract/", "retriever/", "rollout/test_sglang_", "reliability/test_engine_outage.py",
                 "reliability/test_failure_agreement.py", "train/test_async_identity.py",
                 "train/test_config_sections.py",
                 "train/test_mismatch_routing.py"),

@@ -134,3 +134,70 @@ def test_a_config_that_needs_te_names_the_key_and_the_cause():
     with pytest.raises(SpecError, match=r"use_te.*libcudnn\.so\.9"):
         provider.kernel_plan(cuda=True, te=False, use_te=True, te_error=error)
     assert provider.kernel_plan(cuda=False, te=False, cp=2).layer_spec == "local"  # CPU: no TE
+
+
+# ---- the CPU install and the tested bounds (docs/install.md, "On a CPU machine")
+
+CPU_DOC = DOC[DOC.index("## On a CPU machine"):DOC.index("## On a GPU node")]
+SETUP = (REPO / "tools" / "setup_env.sh").read_text()
+
+
+def test_the_cpu_install_says_which_torch_build_setup_installs():
+    """tools/setup_env.sh's torch and torchvision, as the doc names them; where this environment
+    holds that torch on x86_64 Linux (setup_env.sh made it), its build is the CUDA one the doc
+    says, NVIDIA libraries included."""
+    import platform
+
+    import torch
+
+    torch_v = re.search(r'MEGAPKL_TORCH_VERSION:-([0-9.]+)', SETUP).group(1)
+    vision_v = re.search(r'MEGAPKL_TORCHVISION_VERSION:-([0-9.]+)', SETUP).group(1)
+    assert f"installs megapkl with torch {torch_v}" in CPU_DOC and f"torchvision {vision_v}" in CPU_DOC
+    assert torch_v == TORCH  # the GPU stack's pin
+    build = re.search(rf"`{re.escape(torch_v)}\+(cu\d+)`", CPU_DOC).group(1)
+    if torch.__version__.split("+")[0] == torch_v and platform.machine() == "x86_64":
+        assert torch.__version__ == f"{torch_v}+{build}" and torch.version.cuda is not None
+        assert any(d.metadata["Name"].startswith("nvidia-") for d in md.distributions())
+
+
+def test_the_demo_script_installs_the_test_extras_and_sglang():
+    demo = (REPO / "tools" / "demo.sh").read_text()
+    assert "bash tools/setup_env.sh test" in demo
+    assert '-e ".[$extra]"' in SETUP and 'if [ "$extra" = "test" ]; then' in SETUP
+    assert '--no-deps "$(ls "$CACHE"/sglang-' in SETUP
+    assert "`bash tools/demo.sh` runs\n`tools/setup_env.sh test`" in CPU_DOC
+    test_extra = PROJECT["optional-dependencies"]["test"]
+    for name in ("pytest", "pytest-xdist", "scipy", "wandb", "sglang-router"):
+        assert any(Requirement(r).name == name for r in test_extra), name
+        assert name in CPU_DOC, name
+
+
+def test_every_dependency_declares_the_lower_bound_ci_runs():
+    """Each dependency's lowest admitted version is what tools/test_bounds.sh installs, .ci/run
+    runs it, and the versions the doc names are those bounds."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from lower_bounds import lower_bounds
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    bounds = lower_bounds()
+    for text in PROJECT["dependencies"]:
+        r = Requirement(text)
+        assert r.specifier.contains(bounds[r.name.lower()]), text
+        assert not r.specifier.contains(_below(bounds[r.name.lower()])), text
+    assert "bash tools/test_bounds.sh" in (REPO / ".ci" / "run").read_text()
+    assert "tools/lower_bounds.py" in (REPO / "tools" / "test_bounds.sh").read_text()
+    for name in ("torch", "numpy", "math-verify", "submitit"):
+        assert f"{name} {bounds[name]}" in CPU_DOC, name
+    torch_spec = next(Requirement(t).specifier for t in PROJECT["dependencies"]
+                      if Requirement(t).name == "torch")
+    assert torch_spec.contains(TORCH) and not torch_spec.contains("2.15.0")  # tested: 2.14.1
+
+
+def _below(version: str) -> str:
+    """A version just under `version` (its last number minus one, or an earlier minor)."""
+    parts = [int(p) for p in version.split(".")]
+    i = max(i for i, p in enumerate(parts) if p > 0)
+    return ".".join(map(str, parts[:i] + [parts[i] - 1])) + (".999" if i < len(parts) - 1 else "")

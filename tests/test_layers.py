@@ -1,8 +1,10 @@
 """Imports flow one way between megapkl's packages: a package imports only packages of a lower
 layer (function-level imports included), so there is no cycle, lazy or not.
 
-    errors, runlog <- config, data <- objectives <- parallel <- models <- rollout <- serve, eval
-    <- train <- analysis, launch <- cli
+    errors, runlog <- config, data <- objectives <- parallel <- models <- rollout <- serve, eval,
+    envs, retriever <- train <- analysis, launch <- cli
+
+The retrieval service (retriever) runs as its own command: only the CLI imports it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "megapkl"
 LAYER = {"errors": 0, "runlog": 0, "config": 1, "data": 1, "objectives": 2, "parallel": 3,
-         "models": 4, "rollout": 5, "serve": 6, "eval": 6, "train": 7, "analysis": 8,
+         "models": 4, "rollout": 5, "serve": 6, "eval": 6, "envs": 6, "retriever": 6, "train": 7,
+         "analysis": 8,
          "launch": 8, "cli": 9}
 
 
@@ -54,6 +57,11 @@ def test_imports_flow_one_way():
     bad = [f"megapkl/{f}: {a} imports {b}" for a, b, f in edges() if LAYER[b] >= LAYER[a]]
     assert not bad, "imports against the layers (" + __doc__.split("\n\n")[1].strip() + "):\n" + \
         "\n".join(bad)
+
+
+def test_only_the_cli_imports_the_retriever_service():
+    bad = [f"megapkl/{f}" for a, b, f in edges() if b == "retriever" and a != "cli"]
+    assert not bad, f"the retrieval service is imported by training code: {bad}"
 
 
 def test_the_check_sees_function_level_imports():

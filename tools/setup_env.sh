@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv and install megapkl with the CPU build of torch. Idempotent; safe to re-run.
+# Create ./.venv and install megapkl with torch 2.14.1 (on x86_64 its CUDA 13 build, NVIDIA libraries
+# included; it runs on CPU) and torchvision 0.29.1. Idempotent; safe to re-run.
 # Usage: bash tools/setup_env.sh [extra]   (extra: "test" installs the test dependencies too)
 set -euo pipefail
 cd "$(dirname "$0")/.."

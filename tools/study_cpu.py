@@ -3,6 +3,7 @@
     python tools/study_cpu.py run OUT [--family pilot,pkl,sis,tetpo] [--seeds 0-9]
     python tools/study_cpu.py run OUT --family clip_pilot --seeds 100-101   # the follow-up's pilot
     python tools/study_cpu.py run OUT --family clip,sis_full,tetpo_lr --seeds 0-9  # the follow-up
+    python tools/study_cpu.py run OUT --family floor --seeds 0-9      # the noise floor's re-run
     python tools/study_cpu.py analyze OUT [--docs docs/study-cpu]      # tables and verdicts
     python tools/study_cpu.py analyze docs/study-cpu                   # the same from the copies
     python tools/study_cpu.py analyze docs/study-cpu --docs docs/study-cpu  # and refresh them
@@ -21,6 +22,11 @@ declared tests (paired differences and difference-in-differences by seed, paired
 adjustment within each family) and the verdict of each claim, the claims added after the results
 with theirs, the descriptive tests (one Holm family per setting) and the mechanism metrics.
 
+Every test is also printed on the final value (post hoc: no final-value test was declared), and
+every effect beside the noise floor (docs/study-cpu.md, "Noise floor": the family `floor` runs
+clip_k16's GRPO and no-clip arms again, and re-run minus committed per seed sets the floor) with
+the reading it allows. Each run's record holds the commit read at that run's start.
+
 The follow-up (docs/study-cpu.md, "Follow-up") adds the families clip_pilot, clip, sis_full and
 tetpo_lr: its claims are declared before its runs (`Family.declared`), and it averages metrics
 that `megapkl compare` does not summarise (`Family.diagnostics`) from each run's metrics.jsonl.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -222,6 +229,15 @@ FAMILIES.update({
 })
 FOLLOW_UP = ("clip_pilot", "clip", "sis_full", "tetpo_lr")
 
+# ---------------------------------------------------------------- the noise floor (declared 2026-12-07)
+# docs/study-cpu.md, "Noise floor": clip_k16's grpo and proximal_kl_eps_null arms, seeds 0-9, run
+# again with the same configs on a later commit; per seed, re-run minus committed (REPEATS) is what
+# re-executing the same config moves a run's value by, and every effect is printed beside it.
+FAMILIES["floor"] = Family("the noise floor: clip_k16's grpo and no-clip arms run again", (
+    _per("floor_k16", ("grpo", EPS_NULL), "rollout.max_staleness=16"),))
+REPEATS = {"floor_k16": "clip_k16"}  # re-run setting -> the committed setting it repeats
+FLOOR_EFFECT = ("proximal_kl_eps_null", "grpo")  # the paired effect re-estimated by the re-run
+
 
 # ---------------------------------------------------------------- run
 
@@ -239,6 +255,7 @@ def code_version() -> dict:
 
 
 def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
+    """Add the run of `arm` to the setting's records: the code version read when it started."""
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[f"{arm.method}/seed-{arm.seed}"] = {**version, "wall_s": round(wall, 1),
                                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -246,16 +263,29 @@ def record(path: Path, version: dict, arm: Arm, wall: float) -> None:
     path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
 
 
+def one_by_one(records: Path, block: dict, config: str, arms) -> None:
+    """Train `arms` one at a time, each recorded with the code version read at its own start. This
+    process imported the code once, at the block's start: a commit or a tracked change made since
+    stops the block (start it again), so no run is recorded with code other than the code it ran."""
+    for arm in arms:
+        version = code_version()
+        now, then = ((v["commit"], v["local_changes"]) for v in (version, block))
+        if now != then:
+            raise SystemExit(f"[study] the code changed during this block (commit, local changes: "
+                             f"{then} at its start, {now} now); run the block again")
+        run_local(config, [arm], skip_finished=True,
+                  on_done=functools.partial(record, records, version))
+
+
 def run(out: Path, families: list[str], seeds: list[int]) -> None:
     if "clip" in families:
         check_eps_mid(out)
-    version = code_version()  # the code this block runs (imported once, at its start)
+    block = code_version()  # the code this process imported
     for fam in families:
         for s in FAMILIES[fam].settings:
             where = out / s.name
             print(f"[study] {s.name}: {', '.join(map(label, s.methods))} x seeds {seeds}", flush=True)
-            runner = functools.partial(run_local, skip_finished=True,
-                                       on_done=functools.partial(record, where / "runs.json", version))
+            runner = functools.partial(one_by_one, where / "runs.json", block)
             compare(BASE, s.methods, seeds, s.overrides, out=where, criteria=CRITERIA,
                     runner=runner)
             done = finished_seeds(where, s)  # this block's seeds and every earlier block's
@@ -383,25 +413,155 @@ def values(summaries: dict, setting: str, method: str, key: str = SUMMARY) -> li
     return summaries[setting]["metrics"][PRIMARY]["methods"][method][key]["values"]
 
 
-def run_test(summaries: dict, t: Test) -> st.PairedTest:
+def run_test(summaries: dict, t: Test, key: str = SUMMARY) -> st.PairedTest:
+    v = functools.partial(values, summaries, key=key)
     if t.lo is None:
-        return st.paired_t(values(summaries, t.setting, t.a), values(summaries, t.setting, t.b))
-    return st.diff_in_diff(values(summaries, t.setting, t.a), values(summaries, t.lo, t.a),
-                           values(summaries, t.setting, t.b), values(summaries, t.lo, t.b))
+        return st.paired_t(v(t.setting, t.a), v(t.setting, t.b))
+    return st.diff_in_diff(v(t.setting, t.a), v(t.lo, t.a), v(t.setting, t.b), v(t.lo, t.b))
 
 
-def test_lines(summaries: dict, tests: tuple[Test, ...]) -> tuple[list[str], list[tuple]]:
-    """The table of `tests`, Holm-adjusted as one family, and (test, result, Holm p) of each."""
-    done = [(t, run_test(summaries, t)) for t in tests
+KEYS = {"auc": "mean over the run", "final": "final value"}  # the summaries a test reads
+
+
+def floor_of(t: Test, floor: Optional[dict], key: str) -> Optional[float]:
+    """The noise floor of test `t`'s effect on summary `key` (see noise_floor): a difference of two
+    arms, or with `lo` a difference in differences of four, each arm re-run independently."""
+    if not floor or key not in floor:
+        return None
+    return floor[key]["arm"] * (2.0 if t.lo else math.sqrt(2.0))
+
+
+def reading(r: st.PairedTest, fl: Optional[float]) -> str:
+    """How the page may read an effect (the declared rule, "Noise floor")."""
+    if r.low <= 0 <= r.high:
+        return "interval holds 0"
+    if fl is None:
+        return "no floor measured"
+    return "read" if abs(r.diff) > fl else "below the floor"
+
+
+def test_lines(summaries: dict, tests: tuple[Test, ...], key: str = SUMMARY,
+               floor: Optional[dict] = None) -> tuple[list[str], list[tuple]]:
+    """The table of `tests` on summary `key`, Holm-adjusted as one family, each effect beside its
+    noise floor, and (test, result, Holm p) of each."""
+    done = [(t, run_test(summaries, t, key)) for t in tests
             if all(s in summaries for s in (t.setting, t.lo) if s)]
     adjusted = st.holm([r.p for _, r in done]) if done else []
-    lines = ["| comparison | effect | 95% t interval | d_z | p | Holm p | BCa interval | n |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| comparison | effect | 95% t interval | d_z | p | Holm p | BCa interval | n | "
+             "noise floor | reading |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (t, r), p in zip(done, adjusted):
+        fl = floor_of(t, floor, key)
         lines.append(f"| {t.label()} | {_fmt(r.diff)} | [{_fmt(r.low)}, {_fmt(r.high)}] | "
                      f"{_fmt(r.effect)} | {fmt_p(r.p)} | {fmt_p(p)} | [{_fmt(r.boot_low)}, "
-                     f"{_fmt(r.boot_high)}] | {r.n} |")
+                     f"{_fmt(r.boot_high)}] | {r.n} | {_fmt(fl)} | {reading(r, fl)} |")
     return lines, [(t, r, p) for (t, r), p in zip(done, adjusted)]
+
+
+# ---------------------------------------------------------------- the noise floor
+
+Pair = tuple[tuple[str, str], tuple[str, str]]  # ((setting, method), (setting, method)), per seed
+POST_HOC_FLOORS = {  # the same config on two commits; SIS at N = 1, the identity up to rounding
+    "the same configs on two commits (post hoc)": tuple(
+        ((f"clip_k{k}", m), (f"pkl_k{k}", m)) for k in (4, 16) for m in ("pg", "grpo", "proximal_kl")),
+    "SIS at N = 1 against GRPO (post hoc)": tuple(
+        ((s, "sis_grpo"), (s, "grpo")) for s in ("sis_n1", "sis_full_n1")),
+}
+
+
+def pair_deltas(summaries: dict, pair: Pair, key: str) -> list[float]:
+    """Per seed (the seeds both hold), the first's value minus the second's."""
+    (sa, ma), (sb, mb) = pair
+    if sa not in summaries or sb not in summaries:
+        return []
+    block = lambda s, m: summaries[s]["metrics"][PRIMARY]["methods"][m]  # noqa: E731
+    a = dict(zip(block(sa, ma)["seeds"], block(sa, ma)[key]["values"]))
+    b = dict(zip(block(sb, mb)["seeds"], block(sb, mb)[key]["values"]))
+    return [a[seed] - b[seed] for seed in sorted(set(a) & set(b))]
+
+
+def floor_stats(summaries: dict, pairs: tuple[Pair, ...], n: int = 10) -> dict:
+    """key -> the floor measured by `pairs` (Delta: one run minus the other, per seed): the
+    per-seed floor max |Delta|, and `arm` = 1.96 sd(Delta) / sqrt(n), how far the mean of one arm
+    over n seeds moves when it is run again (an effect of two arms: sqrt(2) times it; a
+    difference in differences of four: 2 times it)."""
+    out = {}
+    for key in KEYS:
+        d = [x for pair in pairs for x in pair_deltas(summaries, pair, key)]
+        if len(d) < 2:
+            continue
+        sd = float(np.std(d, ddof=1))
+        arm = 1.96 * sd / math.sqrt(n)
+        out[key] = {"pairs": len(d), "per_seed": float(np.max(np.abs(d))),
+                    "mean_abs": float(np.mean(np.abs(d))), "sd": sd, "arm": arm,
+                    "effect": arm * math.sqrt(2.0), "did": arm * 2.0}
+    return out
+
+
+def noise_floor(summaries: dict) -> dict:
+    """The declared floor: each re-run setting (REPEATS) against the committed one, arm by arm."""
+    pairs = tuple(((rerun, label(m)), (committed, label(m)))
+                  for rerun, committed in REPEATS.items()
+                  for m in next(s for f in FAMILIES.values() for s in f.settings
+                                if s.name == rerun).methods)
+    return floor_stats(summaries, pairs)
+
+
+def floor_lines(summaries: dict, floor: dict) -> list[str]:
+    rows = [("declared re-run: clip_k16's grpo and proximal_kl_eps_null (floor_k16)", floor)]
+    rows += [(what, floor_stats(summaries, pairs)) for what, pairs in POST_HOC_FLOORS.items()]
+    lines = ["| measured by | summary | pairs | per-seed floor (max abs) | mean abs | "
+             "floor of an effect | of a difference in differences |", "|---|---|---|---|---|---|---|"]
+    for what, f in rows:
+        for key, name in KEYS.items():
+            if key in f:
+                x = f[key]
+                lines.append(f"| {what} | {name} | {x['pairs']} | {_fmt(x['per_seed'])} | "
+                             f"{_fmt(x['mean_abs'])} | {_fmt(x['effect'])} | {_fmt(x['did'])} |")
+    if floor:
+        a, b = FLOOR_EFFECT
+        moved = {key: [x - y for x, y in zip(
+            pair_deltas(summaries, (("floor_k16", a), ("clip_k16", a)), key),
+            pair_deltas(summaries, (("floor_k16", b), ("clip_k16", b)), key))] for key in KEYS}
+        lines += ["", f"Re-running both arms moved the effect {a} - {b} at k = 16 by "
+                  + " and ".join(f"{_fmt(float(np.mean(v)))} ({KEYS[k]})" for k, v in moved.items()
+                                 if v) + "."]
+    return lines
+
+
+def run_commits(out: Path, setting: str) -> dict[str, int]:
+    """commit (short, '+' with local changes) -> runs, from each run's own record."""
+    path = out / setting / "runs.json"
+    runs = json.loads(path.read_text()) if path.exists() else \
+        json.loads((out / f"{setting}.json").read_text()).get("runs", {}) \
+        if (out / f"{setting}.json").exists() else {}
+    commits: dict[str, int] = {}
+    for r in runs.values():
+        c = r.get("commit", "?")[:7] + ("+" if r.get("local_changes") else "")
+        commits[c] = commits.get(c, 0) + 1
+    return commits
+
+
+def both_table(summaries: dict, floor: dict) -> list[str]:
+    """Every test a verdict rests on, on the mean over the run (the declared summary) and on the
+    final value (post hoc: no final-value test was declared), each Holm-adjusted within its own
+    family and read against the noise floor."""
+    groups = []
+    for fam in FAMILIES.values():
+        if fam.tests:
+            groups.append(("declared", fam.tests))
+        groups += [("added after the results", c.tests) for c in fam.added]
+        groups += [("declared before the runs", c.tests) for c in fam.declared]
+    lines = ["| test | declared as | mean over the run: effect [95% t] | Holm p | reading | "
+             "final value (post hoc): effect [95% t] | Holm p | reading |",
+             "|---|---|---|---|---|---|---|---|"]
+    for how, tests in groups:
+        per = {key: test_lines(summaries, tests, key, floor)[1] for key in KEYS}
+        for (t, r, p), (_, f, q) in zip(per["auc"], per["final"]):
+            lines.append(f"| {t.label()} | {how} | {_fmt(r.diff)} [{_fmt(r.low)}, {_fmt(r.high)}] | "
+                         f"{fmt_p(p)} | {reading(r, floor_of(t, floor, 'auc'))} | {_fmt(f.diff)} "
+                         f"[{_fmt(f.low)}, {_fmt(f.high)}] | {fmt_p(q)} | "
+                         f"{reading(f, floor_of(t, floor, 'final'))} |")
+    return lines
 
 
 def per_setting(tests: tuple[Test, ...]) -> dict[str, tuple[Test, ...]]:
@@ -599,6 +759,11 @@ def load_summaries(out: Path, docs: Optional[Path]) -> dict:
 
 def analyze(out: Path, docs: Optional[Path]) -> None:
     summaries = load_summaries(out, docs)
+    floor = noise_floor(summaries)
+    print("### Noise floor\n")
+    print("\n".join(floor_lines(summaries, floor)) + "\n")
+    print("### Every test of a verdict, on the mean over the run and on the final value\n")
+    print("\n".join(both_table(summaries, floor)) + "\n")
     for key, fam in FAMILIES.items():
         print(f"### {key}: {fam.claim}\n")
         have = [s for s in fam.settings if s.name in summaries]
@@ -606,20 +771,28 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
             print("(not run)\n")
             continue
         for s in have:
-            print("\n".join(method_table(summaries, s.name)))
+            commits = ", ".join(f"{c} ({n} runs)" for c, n in run_commits(out, s.name).items())
+            print("\n".join(method_table(summaries, s.name)) + f"\nRuns by commit (each run's "
+                  f"record): {commits or 'no records'}.\n")
+
+        def tables(what: str, tests: tuple[Test, ...]) -> list[tuple]:
+            lines, results = test_lines(summaries, tests, SUMMARY, floor)
+            print(f"{what}, on the mean over the run:\n\n" + "\n".join(lines) + "\n")
+            lines, _ = test_lines(summaries, tests, "final", floor)
+            print(f"The same tests on the final value (post hoc, not declared):\n\n"
+                  + "\n".join(lines) + "\n")
+            return results
+
         if fam.tests:
-            lines, results = test_lines(summaries, fam.tests)
-            print("Declared tests (one Holm family):\n\n" + "\n".join(lines) + "\n")
+            results = tables("Declared tests (one Holm family)", fam.tests)
             print(f"**Verdict: {verdict(results, len(fam.tests))}.**\n")
         for c in fam.added:
-            lines, results = test_lines(summaries, c.tests)
-            print(f"Added after the results were seen ({c.why}): {c.claim} (one Holm family):\n\n"
-                  + "\n".join(lines) + "\n")
+            results = tables(f"Added after the results were seen ({c.why}): {c.claim} (one Holm "
+                             "family)", c.tests)
             print(f"**Verdict on the added claim: {verdict(results, len(c.tests))}.**\n")
         for c in fam.declared:  # the follow-up: declared before its runs
-            lines, results = test_lines(summaries, c.tests)
-            print(f"Declared before the runs ({c.why}): {c.claim} (one Holm family of "
-                  f"{len(c.tests)}):\n\n" + "\n".join(lines) + "\n")
+            results = tables(f"Declared before the runs ({c.why}): {c.claim} (one Holm family of "
+                             f"{len(c.tests)})", c.tests)
             for v in claim_verdicts(c, results):
                 print(f"**Verdict: {v}.**\n")
         if key == "clip_pilot":
@@ -627,7 +800,7 @@ def analyze(out: Path, docs: Optional[Path]) -> None:
             print(f"Clipped fraction of moving tokens by eps_F: {fracs}; the declared rule "
                   f"chooses eps_mid = {eps_mid_choice(fracs)}.\n")
         for setting, tests in per_setting(fam.described).items():
-            lines, _ = test_lines(summaries, tests)
+            lines, _ = test_lines(summaries, tests, SUMMARY, floor)
             print(f"Descriptive at {setting} (one Holm family of {len(tests)}, not part of the "
                   f"verdict):\n\n" + "\n".join(lines) + "\n")
         for s in have:

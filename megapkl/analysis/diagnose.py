@@ -137,6 +137,7 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
 
     import torch
 
+    from megapkl.analysis.eval_cli import push_weights
     from megapkl.config.layout import Layout
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
@@ -161,7 +162,7 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
             layout=Layout.of(cfg.parallel, world=1), run_dir=Path(cfg.run_dir), seed=cfg.seed,
             steps=cfg.train.steps, hold=hold)
         engine = stage.slot.engine
-        engine.update_weights(learner.export(), 1)
+        push_weights(engine, cfg, learner.export(), 1)  # FP8 rollouts: FP8, as eval pushes
         prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
         samples = engine.generate(prompts, responses,
                                   dataclasses.replace(stage.sampling, seed=cfg.seed))

@@ -18,6 +18,7 @@ on the command line therefore apply to every benchmark evaluated (a greedy one k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,13 @@ def engine_weights(cfg, weights):
     return FP8Transform()(weights)
 
 
+def push_weights(engine, cfg, weights, version: int) -> None:
+    """Policy weights (HF names) outside training to the engine of run config `cfg`, transformed
+    as training transforms them (`engine_weights`): the one way `megapkl eval` and `megapkl
+    diagnose` load a policy into an engine."""
+    engine.update_weights(engine_weights(cfg, weights), version=version)
+
+
 def section_overrides(overrides: Sequence[str]) -> dict:
     """{'greedy': ..., 'n_samples': ...} from eval.greedy / eval.n_samples overrides."""
     from megapkl.config import parse_override
@@ -218,6 +226,21 @@ def apply_section_overrides(benches, given: dict, n_default: int) -> None:
             b.n_samples = 1
         elif "n_samples" in given or was_greedy:
             b.n_samples = given.get("n_samples", n_default)
+
+
+def run_turn_driver(cfg, tokenizer, hold):
+    """The run's multi-turn environment driver (env section), or None for single-turn runs;
+    with env.search.index, the retriever it serves, started here (`hold(x)`: closed with the
+    evaluation)."""
+    from megapkl.envs import build_retriever, build_turn_driver
+    from megapkl.rollout.synthetic import make_synthetic_task
+
+    task = make_synthetic_task(cfg.data.synthetic) if cfg.data.synthetic else None
+    retriever = hold(build_retriever(cfg.env, cfg.run_dir))
+    if retriever is not None:
+        retriever.start()
+    return hold(build_turn_driver(cfg.env, cfg.rollout.max_response_len, tokenizer, task,
+                                  retriever=retriever))
 
 
 def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[str] = (),
@@ -244,16 +267,14 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg.rollout, cfg.model, spec, tokenizer, work_dir=cfg.run_dir,
                               seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1))  # one process
-    try:  # the engine (and the SGLang servers it launched) is closed however this ends
-        scoring = Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s)
-        try:
-            engine.update_weights(engine_weights(cfg, weights), version=version)
-            records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version,
-                               seed=cfg.seed, scoring=scoring)
-        finally:
-            scoring.close()
-    finally:
-        engine.close()
+    with contextlib.ExitStack() as held:  # the engine (its SGLang servers) closed however this ends
+        held.callback(engine.close)
+        hold = lambda x: x if x is None else held.enter_context(contextlib.closing(x))  # noqa: E731
+        scoring = hold(Scoring(tokenizer=tokenizer, timeout_s=cfg.eval.verify_timeout_s))
+        turns = run_turn_driver(cfg, tokenizer, hold)  # multi-turn runs: their environment
+        push_weights(engine, cfg, weights, version)
+        records = evaluate(engine, benches, cfg.eval, cfg.rollout, step=version,
+                           seed=cfg.seed, scoring=scoring, turns=turns)
     summary = {"step": version, "checkpoint": str(ckpt), **summarize_records(benches, records),
                "settings": settings(cfg.eval, cfg.rollout, benches)}
     paths = write_results(out or run / OUT_DIR, version, summary, records)

@@ -17,6 +17,7 @@ from megapkl.config.model_layout import check_model_layout, check_token_budget
 from megapkl.config.objective import ObjectiveConfig
 from megapkl.config.sections import (AdvantageConfig, ModelConfig, ParallelConfig, ReferenceConfig,
                                      RolloutConfig)
+from megapkl.config.sections_env import EnvConfig
 from megapkl.config.sections_train import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig,
                                            RewardConfig, SlurmConfig, TrainConfig)
 from megapkl.config.typed import build, rng, to_dict
@@ -44,6 +45,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn tool use; unset: single-turn
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -251,6 +253,21 @@ def _check_dtype(cfg: RunConfig, err) -> None:
         err(problem, "model.dtype", "slurm.constraint")
 
 
+def _check_env(cfg: RunConfig, err) -> None:
+    env = cfg.env
+    if env.type == "lookup" and cfg.data.synthetic != "lookup_kv":
+        err(f"env type lookup answers the synthetic task lookup_kv; data.synthetic is "
+            f"{cfg.data.synthetic!r}", "env.type", "data.synthetic")
+    if cfg.data.synthetic == "lookup_kv" and env.type != "lookup":
+        err("the synthetic task lookup_kv is answered with its tool: set env.type: lookup",
+            "data.synthetic", "env.type")
+    if env.multi_turn and env.max_turn_tokens is not None \
+            and env.max_turn_tokens > cfg.rollout.max_response_len:
+        err(f"one turn ({env.max_turn_tokens} tokens) cannot exceed the response budget "
+            f"rollout.max_response_len ({cfg.rollout.max_response_len})", "env.max_turn_tokens",
+            "rollout.max_response_len")
+
+
 _RULES = (_check_world, _check_moe, _check_layers, _check_batch, _check_advantage,
-          _check_reference, _check_sis, _check_reward, _check_eval, _check_dtype,
+          _check_reference, _check_sis, _check_reward, _check_env, _check_eval, _check_dtype,
           check_model_layout, check_token_budget)

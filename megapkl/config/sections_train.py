@@ -58,7 +58,8 @@ class DataConfig:
     prompt_key: str = "prompt"  # field of the problem text (dotted for nested fields)
     answer_key: str = "answer"  # field of the gold answer
     # how a raw problem becomes the model prompt: qwen_math (Qwen chat, "put your final answer
-    # within \boxed{}"), raw (the problem as is)
+    # within \boxed{}"), sis_agent (the SIS paper's search-agent instruction, Appendix C), raw
+    # (the problem as is)
     prompt_template: str = "qwen_math"
     # the date a chat template that stamps one renders (Llama 3.x's system header "Today Date:"),
     # fixed so that prompts never depend on the day of the run (day month-abbreviation year)
@@ -88,13 +89,15 @@ class RewardConfig:
     """How responses are scored: `correct` / `incorrect` values (PKL B.1: +1 / -1; PKL C: 1 / 0).
 
     `type` unset follows the data: 'synthetic' for a synthetic task, else 'math' (boxed answer).
+    'answer_em': the search agent's exact match of the last <answer> the policy wrote against any
+    of the row's `golden_answers` (Search-R1's; its runs score 1 / 0: set incorrect: 0).
     'python': `function` ("package.module:callable") scores each prompt group in a worker process;
     'http': a reward server at `url` does (docs/experiments.md). `timeout_s` bounds one answer
     (math: per response; python, http: per group and request). A user reward that fails either
     stops the run (`on_error: fail`) or scores its group `incorrect` (logged, `reward/errors`).
     """
 
-    type: Optional[Literal["math", "synthetic", "python", "http"]] = None  # see above
+    type: Optional[Literal["math", "synthetic", "answer_em", "python", "http"]] = None  # see above
     correct: float = 1.0  # reward of a correct response
     incorrect: float = -1.0  # reward of any other response (and of a failed group, on_error incorrect)
     function: Optional[str] = None  # type python: "package.module:callable"

@@ -60,6 +60,13 @@ class Source:
     n_samples: int = 16
     expected_rows: Optional[int] = None  # rows after deduplication, for a warning on a mismatch
     note: str = ""
+    group: str = "math"  # `megapkl data prepare eval` prepares group math, `qa_eval` group qa
+    license: str = ""  # what `megapkl data list` says of its terms
+    # QA sets: keep every gold answer (`golden_answers`, a list; `answer` is the first), keep
+    # repeated questions (Search-R1 does), and name the set in each row's `source`
+    all_answers: bool = False
+    dedupe: bool = True
+    parts: tuple[str, ...] = ()  # a merged set: these sources, concatenated in order
 
 
 SOURCES: dict[str, Source] = {s.name: s for s in [
@@ -109,10 +116,84 @@ UNAVAILABLE = {
         "controlled-staleness configs read."),
 }
 
-EVAL_SETS = tuple(n for n, s in SOURCES.items() if s.kind == "eval")
+def search_r1_question(text: str) -> str:
+    """Search-R1's question clean-up: stripped, with a question mark at the end."""
+    text = text.strip()
+    return text if not text or text.endswith("?") else text + "?"
+
+
+_FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
+_FLASHRAG_TERMS = "FlashRAG_datasets: CC BY-SA 4.0 (Hub card); the original set: "
+
+
+def _qa(name: str, config: str, split: str, rows: int, original_license: str, *,
+        kind: str = "eval", note: str = "") -> Source:
+    return Source(name, _FLASHRAG, split, prompt=("question",), answer=("golden_answers",),
+                  ids=("id",), kind=kind, config=config, clean_prompt=search_r1_question,
+                  n_samples=1, expected_rows=rows, group="qa", all_answers=True, dedupe=False,
+                  license=_FLASHRAG_TERMS + original_license,
+                  note=note or f"SIS Table 1 / Search-R1 evaluation set ({split} split)")
+
+
+# The search agent's QA sets (SIS 5.1 follows Search-R1): FlashRAG's copies, test split where
+# there is one, else dev; exact match of one sample at temperature 1 (SIS Table 5).
+QA_SOURCES = [
+    _qa("nq_train", "nq", "train", 79168, "CC BY-SA 3.0", kind="train",
+        note="Natural Questions training split, one half of the agent's training set"),
+    _qa("hotpotqa_train", "hotpotqa", "train", 90447, "CC BY-SA 4.0", kind="train",
+        note="HotpotQA training split, the other half of the agent's training set"),
+    Source("nq_hotpotqa_train", _FLASHRAG, "train", prompt=("question",),
+           answer=("golden_answers",), kind="train", group="qa", all_answers=True,
+           dedupe=False, parts=("nq_train", "hotpotqa_train"), expected_rows=169615,
+           license="see nq_train and hotpotqa_train",
+           note="The agent's training set: NQ and HotpotQA training splits concatenated, as "
+                "Search-R1's qa_search_train_merge.py does (SIS 5.1)"),
+    _qa("nq", "nq", "test", 3610, "CC BY-SA 3.0"),
+    _qa("triviaqa", "triviaqa", "test", 11313, "Apache 2.0"),
+    _qa("popqa", "popqa", "test", 14267, "MIT"),
+    _qa("hotpotqa", "hotpotqa", "dev", 7405, "CC BY-SA 4.0"),
+    _qa("musique", "musique", "dev", 2417, "CC BY 4.0"),
+    _qa("bamboogle", "bamboogle", "test", 125, "MIT"),
+]
+for _s in QA_SOURCES:
+    SOURCES[_s.name] = _s
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """A file set of the search agent's retriever on the Hub (a corpus or a prebuilt index)."""
+
+    name: str
+    hf_id: str
+    files: tuple[str, ...]  # concatenated in order (a split upload), then gunzipped if .gz
+    out: str  # the file written in the output directory
+    rows: Optional[int] = None
+    size: str = ""
+    license: str = ""
+    note: str = ""
+
+
+CORPORA: dict[str, CorpusSource] = {c.name: c for c in [
+    CorpusSource("wiki18", "PeterJinGo/wiki-18-corpus", ("wiki-18.jsonl.gz",), "wiki18.jsonl",
+                 rows=21015324, size="about 14 GB unpacked (estimate: 100-word passages)",
+                 license="Wikipedia text (CC BY-SA 3.0), the December 2018 dump as DPR split it",
+                 note="Search-R1's corpus: 100-word passages {id, contents}, the quoted title on "
+                      "the first line of contents; "
+                      "index it with `megapkl retriever index`"),
+    CorpusSource("wiki18_e5_flat", "PeterJinGo/wiki-18-e5-index", ("part_aa", "part_ab"),
+                 "e5_Flat.index", size="about 65 GB (21,015,324 x 768 float32)",
+                 license="derived from wiki18 (CC BY-SA 3.0)",
+                 note="Search-R1's flat E5 index of wiki18: `megapkl retriever index --backend e5 "
+                      "--faiss-index e5_Flat.index` uses it in place"),
+]}
+
+
+EVAL_SETS = tuple(n for n, s in SOURCES.items() if s.kind == "eval" and s.group == "math")
+QA_EVAL_SETS = tuple(n for n, s in SOURCES.items() if s.kind == "eval" and s.group == "qa")
 
 
 def get_source(name: str) -> Source:
+    """The dataset `name` (`SOURCES`); ValueError naming the known ones."""
     if name in UNAVAILABLE:
         raise ValueError(f"dataset '{name}' cannot be prepared: {UNAVAILABLE[name]}")
     try:

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 from megapkl.errors import MegapklError
 from megapkl.eval.metrics import default_ks, micro_average, summarize
 from megapkl.rollout.engine import RolloutEngine, SamplingParams
+from megapkl.rollout.rewards import last_action_ids
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.seeds import prompt_seed
 
@@ -170,7 +171,7 @@ class Scoring:
 
     def __call__(self, b: Benchmark, s: Sample, where: str) -> tuple[bool, Optional[str], Optional[str]]:
         if b.kind == "synthetic":
-            got = b.task.extract(s.response_ids)
+            got = b.task.extract(last_action_ids(s))  # the policy's last turn
             return got == s.answer, got, None
         if self._verifier is None:
             from megapkl.rollout.bounded_verify import BoundedVerifier
@@ -186,14 +187,18 @@ class Scoring:
 
 
 def generate_and_score(engine: RolloutEngine, b: Benchmark, indices: Sequence[int],
-                       sampling: SamplingParams, scoring: Scoring) -> list[SampleRecord]:
-    """Records of the samples for prompts `indices` of `b` (n per prompt, prompt-major)."""
+                       sampling: SamplingParams, scoring: Scoring, turns: Any = None
+                       ) -> list[SampleRecord]:
+    """Records of the samples for prompts `indices` of `b` (n per prompt, prompt-major);
+    `turns`: the multi-turn environment's driver (rollout/turns.py), or None."""
     if not indices:
         return []
     if sampling.seed is not None:  # per prompt of the benchmark: the same on any DP share
         sampling = dataclasses.replace(sampling, prompt_seeds=tuple(
             prompt_seed(sampling.seed, i) for i in indices))
-    samples = engine.generate([b.items[i] for i in indices], b.n_samples, sampling)
+    if turns is not None:  # the evaluation's response budget
+        turns = turns.limited(sampling.max_new_tokens)
+    samples = engine.generate([b.items[i] for i in indices], b.n_samples, sampling, turns=turns)
     out = []
     for j, s in enumerate(samples):
         i = indices[j // b.n_samples]
@@ -253,12 +258,13 @@ def write_results(out_dir: str | Path, step: int, summary: dict,
 
 def evaluate(engine: RolloutEngine, benchmarks: Sequence[Benchmark], eval_cfg: Any,
              rollout_cfg: Any, *, step: int, seed: int, scoring: Scoring,
-             share: tuple[int, int] = (0, 1)) -> list[SampleRecord]:
-    """This share's records of every benchmark (the engine holds the weights to evaluate)."""
+             share: tuple[int, int] = (0, 1), turns: Any = None) -> list[SampleRecord]:
+    """This share's records of every benchmark (the engine holds the weights to evaluate);
+    `turns`: multi-turn rollouts with the run's environment (rollout/turns.py)."""
     records: list[SampleRecord] = []
     for k, b in enumerate(benchmarks):
         sampling = sampling_for(b, eval_cfg, rollout_cfg, seed=(seed * 1_000_003 + step) * 101 + k)
-        records += generate_and_score(engine, b, b.share(*share), sampling, scoring)
+        records += generate_and_score(engine, b, b.share(*share), sampling, scoring, turns)
     return records
 
 

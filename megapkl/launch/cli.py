@@ -108,7 +108,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (LaunchError, ValueError, OSError) as exc:
         return _fail(exc)
     if args.dry_run:
-        print(f"# run_dir: {sub.run_dir}\n# profile: {sub.profile.name} ({sub.profile.source})")
+        print(f"# run_dir: {sub.run_dir}\n# submitted, this job: {sub.run_dir_action}\n"
+              f"# profile: {sub.profile.name} ({sub.profile.source})")
         print(sub.script)
         return 0
     print(f"submitted job {sub.job_id}: run_dir {sub.run_dir}")

@@ -23,6 +23,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from megapkl.config import yamlio
 from megapkl.config.typed import ConfigError, build, rng, to_dict
+from megapkl.launch.retriever import RetrieverPlacement
 
 # sbatch --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
@@ -105,6 +106,9 @@ class ClusterProfile:
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
     env: dict[str, str] = field(default_factory=dict)  # exported before srun
     container: Optional[ContainerConfig] = None
+    # the search agent's retriever (env.search.index) as its own step: node, GPUs, cores, memory
+    # (megapkl/launch/retriever.py); unset: it runs beside rank 0
+    retriever: Optional[RetrieverPlacement] = None
     python: Optional[str] = None  # python on the nodes; unset: the submitting interpreter
     srun_args: list[str] = field(default_factory=list)
     sbatch: dict[str, Any] = field(default_factory=dict)  # extra sbatch flags, name without '--'

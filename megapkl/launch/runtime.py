@@ -97,6 +97,13 @@ class LaunchContext:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
+    def retriever_launcher(self) -> Any:
+        """The job step that runs the search agent's retriever where the cluster profile puts it
+        (megapkl.launch.retriever), or None: it runs beside this rank."""
+        from megapkl.launch.retriever import step_launcher
+
+        return step_launcher()
+
     # ---- preemption
     def preempt_signaled(self) -> bool:
         """This rank got the preemption/time-limit signal (no collective: any thread, any time)."""

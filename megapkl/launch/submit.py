@@ -66,6 +66,7 @@ class Submission:
     sbatch_params: dict[str, Any]
     spec: LaunchSpec
     script: Optional[str] = None  # the sbatch script (dry run)
+    run_dir_action: str = ""  # what the submit does (or, dry, would do) with the run directory
 
     @property
     def job_id(self) -> Optional[str]:
@@ -187,7 +188,33 @@ def sbatch_script(prof: ClusterProfile, folder: Path, params: Mapping[str, Any])
 
 # ---- run directory
 
+def claim_run_dir(prep: PreparedRun, if_exists: IfExists, *, dry_run: bool = False) -> str:
+    """What this submit does with the run directory, by `megapkl train`'s rule
+    (megapkl.train.local.run_dir_action: a directory of `megapkl train` holds a run as much as one
+    of `submit`), in words for the dry run: LaunchError when it holds a run and --if-exists is
+    'error' (a dry run too: it says what the real submit will do); 'overwrite' deletes the run
+    directory and checkpoint.dir unless `dry_run`."""
+    from megapkl.train.local import refusal, run_dir_action
+
+    action, held = run_dir_action(prep.cfg, if_exists)
+    if action == "refuse":
+        launch = prep.run_dir / "launch.json"
+        jobs = _read_json(launch).get("jobs", []) if launch.is_file() else []
+        last = f" (last job {jobs[-1]['job_id']})" if jobs else ""
+        raise LaunchError(refusal(prep.cfg, held + last))
+    if action == "overwrite" and not dry_run:
+        shutil.rmtree(prep.cfg.checkpoint.dir, ignore_errors=True)
+        shutil.rmtree(prep.run_dir, ignore_errors=True)
+    if not dry_run:
+        prep.run_dir.mkdir(parents=True, exist_ok=True)
+    return {"new": "a new run in an empty run directory",
+            "resume": f"continues the run it holds ({held}) from its latest checkpoint",
+            "overwrite": f"deletes the run it holds ({held}) and starts a new one"}[action]
+
+
 def prepare_run_dir(run_dir: Path, if_exists: IfExists) -> None:
+    """A sweep's directory or element (`megapkl sweep`): refused ('error') when it holds a
+    submitted run, kept ('resume') or deleted first ('overwrite')."""
     launch = run_dir / "launch.json"
     if launch.exists():
         if if_exists == "error":
@@ -248,10 +275,13 @@ def job_index_path() -> Path:
 
 def make_spec(prep: PreparedRun, prof: ClusterProfile, entry: str,
               entry_kwargs: Optional[Mapping[str, Any]], cwd: Path) -> LaunchSpec:
+    from megapkl.launch.retriever import to_env
+
     return LaunchSpec(run_dir=str(prep.run_dir), cwd=str(cwd),
                       config_file=str(prep.run_dir / "config.yaml"), entry=entry,
                       entry_kwargs=dict(entry_kwargs or {}), use_gpus=prof.uses_gpus,
-                      max_requeues=prof.max_requeues, preempt_grace_s=float(prof.preempt_grace_s))
+                      max_requeues=prof.max_requeues, preempt_grace_s=float(prof.preempt_grace_s),
+                      env=to_env(prof.retriever))
 
 
 def shape_overrides(prep: PreparedRun, prof: ClusterProfile, profile_name: str) -> list[str]:
@@ -390,14 +420,15 @@ def submit(config: str | os.PathLike, profile: Optional[str] = None,
     spec = make_spec(prep, prof, entry, entry_kwargs, cwd)
     folder = prep.run_dir / "submitit"
     params = sbatch_parameters(prof, prep.cfg.slurm.job_name or prep.name, folder)
+    action = claim_run_dir(prep, if_exists, dry_run=dry_run)  # the same rule, dry or not
     if dry_run:
-        return Submission(None, prep.run_dir, prof, params, spec, sbatch_script(prof, folder, params))
-    prepare_run_dir(prep.run_dir, if_exists)
+        return Submission(None, prep.run_dir, prof, params, spec,
+                          sbatch_script(prof, folder, params), action)
     write_run_files(prep, prof, params, spec, folder)
     executor = make_executor(prof, folder, params)
     job = executor.submit(MegapklJob(spec))
     record_job(prep.run_dir, str(job.job_id))
-    return Submission(job, prep.run_dir, prof, params, spec)
+    return Submission(job, prep.run_dir, prof, params, spec, run_dir_action=action)
 
 
 # ---- reading a run directory

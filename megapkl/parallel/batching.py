@@ -10,11 +10,19 @@ megatron's RoPE and causal masking need no packing metadata:
 
     tokens     [b, S]  prompt ids, response ids, then `pad_id`
     labels     [b, S]  labels[i] = tokens[i + 1] on the FULL sequence, before any CP sharding
-    loss_mask  [b, S]  True at the label positions of action (response) tokens
-    action_pos [b, S]  1-based position of that action token within its response (0 elsewhere)
+    loss_mask  [b, S]  True at the label positions of action tokens
+    action_pos [b, S]  1-based position of that action token among its response's action
+                       tokens (0 elsewhere)
     detached per-action-token fields (logp_behav, logp_prox, logp_init, topk_ids,
-    topk_logp_behav) placed at the same label positions: action token j of a response with a
-    P-token prompt is predicted by the logits at position P - 1 + j.
+    topk_logp_behav) placed at the same label positions: response token r of a response with a
+    P-token prompt is predicted by the logits at position P - 1 + r.
+
+A multi-turn response interleaves actions with observations (`Sample.segments`): every token is
+fed through the model (the observations are context for the next turn), but only action tokens
+get a label, a loss-mask bit and an action position, and the per-action-token fields (one row per
+action token in the Sample) are scattered to those positions alone. So the loss's `TokenBatch`
+holds action tokens only, with positions 1..T_m counting action tokens (T_m = A): every
+objective, normalizer and future-KL window skips observations by construction.
 
 Why the shift must happen before sharding (the classic CP bug): CP rank r holds chunks r and
 2cp-1-r of the sequence, so the local token after the last one of chunk r is the first of chunk
@@ -53,6 +61,8 @@ class PackableSample(Protocol):
     group_id: int
     prompt_ids: Tensor
     response_ids: Tensor
+    action_mask: Tensor      # [R] bool (all True for a single-turn response)
+    num_actions: int         # A = action_mask.sum()
     logp_behav: Tensor
     advantage: Optional[float]
     logp_prox: Optional[Tensor]
@@ -77,7 +87,7 @@ class MicroBatch:
     labels: Tensor
     loss_mask: Tensor
     action_pos: Tensor
-    lengths: Tensor          # [b] T_m, full response lengths (0 for padding rows)
+    lengths: Tensor          # [b] T_m, full responses' action tokens (0 for padding rows)
     advantages: Tensor       # [b]
     group: Tensor            # [b] prompt-group ids
     uid: Tensor              # [b] global response ids
@@ -143,14 +153,15 @@ def check_samples(samples: Sequence[PackableSample], who: str) -> None:
         if p < 1:
             raise ValueError(f"{who}: sample uid={s.uid} has an empty prompt; the first action "
                              "token needs a preceding token to be predicted from")
-        if t < 1:
+        a = s.num_actions
+        if t < 1 or a < 1:
             raise ValueError(f"{who}: sample uid={s.uid} has no action tokens")
         if getattr(s, "advantage", None) is None:
             raise ValueError(f"{who}: sample uid={s.uid} has no advantage (set by the rollout stage)")
         for name, attr in SAMPLE_FIELDS.items():
             value, ref = getattr(s, attr, None), getattr(first, attr, None)
-            if (ref is None) != (value is None) or (value is not None and value.shape[0] != t):
-                raise ValueError(f"{who}: sample uid={s.uid}: {name} must have {t} rows (one per "
+            if (ref is None) != (value is None) or (value is not None and value.shape[0] != a):
+                raise ValueError(f"{who}: sample uid={s.uid}: {name} must have {a} rows (one per "
                                  f"action token) like every sample of the batch, got "
                                  f"{None if value is None else list(value.shape)}")
         _check_routed(s, first, who)
@@ -173,8 +184,9 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
 
     One scatter per buffer over every sample's positions (a micro-batch's samples, a few tensor
     ops each, were most of packing's time): position j of sample i (prompt p_i + response t_i
-    tokens) sits at (rows[i], offsets[i] + j); its label is token j + 1 of the same sequence; the
-    action tokens are the labels at j = p_i - 1 .. p_i + t_i - 2."""
+    tokens) sits at (rows[i], offsets[i] + j); its label is token j + 1 of the same sequence;
+    the action labels are the j whose next token is an action token of the response (j = p_i -
+    1 .. p_i + t_i - 2 when every response token is one)."""
     prompt = [int(x.prompt_ids.numel()) for x in samples]
     length = torch.tensor([p + int(x.response_ids.numel()) for p, x in zip(prompt, samples)])
     # built on the host, moved to the device with the micro-batch (a sample may hold either)
@@ -182,11 +194,15 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
                     ).to(torch.int64)
     n = len(samples)  # `rows` and `offsets` may go on (a THD row's trailing padding segment)
     at_row = torch.tensor(list(rows)[:n], dtype=torch.int64).repeat_interleave(length)
-    j = torch.arange(seq.numel()) - (torch.cumsum(length, 0) - length).repeat_interleave(length)
+    starts = (torch.cumsum(length, 0) - length).repeat_interleave(length)
+    j = torch.arange(seq.numel()) - starts
     at_col = torch.tensor(list(offsets)[:n], dtype=torch.int64).repeat_interleave(length) + j
-    first_label = torch.tensor(prompt).repeat_interleave(length) - 1  # the first action's j
     labelled = j < length.repeat_interleave(length) - 1          # every position but the last
-    action = labelled & (j >= first_label)
+    action = labelled & _next_is_action(samples, prompt, seq.numel())
+    # 1-based rank of each action label among its sequence's action labels
+    rank = torch.cumsum(action, 0)
+    rank = rank - (rank - action.long()).index_select(0, torch.cumsum(length, 0) - length
+                                                      ).repeat_interleave(length)
     ac_row, ac_col = at_row[action], at_col[action]
 
     tokens = torch.full((b, s), pad_id, dtype=torch.int64)
@@ -196,7 +212,7 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
     loss_mask = torch.zeros(b, s, dtype=torch.bool)
     loss_mask[ac_row, ac_col] = True
     action_pos = torch.zeros(b, s, dtype=torch.int64)
-    action_pos[ac_row, ac_col] = (j - first_label)[action] + 1
+    action_pos[ac_row, ac_col] = rank[action]
     first = samples[0]
     fields = {}
     for name, attr in SAMPLE_FIELDS.items():
@@ -220,10 +236,20 @@ def _fill(samples: Sequence[PackableSample], rows: Sequence[int], offsets: Seque
                                              torch.zeros(pad, dtype=dtype)])
     return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, action_pos=action_pos,
                 fields=fields, routed=routed, num_responses=m,
-                lengths=per_resp([int(x.response_ids.numel()) for x in samples], torch.int64),
+                lengths=per_resp([int(x.num_actions) for x in samples], torch.int64),
                 advantages=per_resp([float(x.advantage) for x in samples], torch.float32),
                 group=per_resp([int(x.group_id) for x in samples], torch.int64),
                 uid=per_resp([int(x.uid) for x in samples], torch.int64))
+
+
+def _next_is_action(samples: Sequence[PackableSample], prompt: Sequence[int], total: int
+                    ) -> Tensor:
+    """[total] bool over the concatenated sequences: is token j + 1 of the same sequence an
+    action token? (The last position of a sequence reads the next sequence's first token: the
+    caller masks it with `labelled`.)"""
+    is_action = torch.cat([t for p, x in zip(prompt, samples)
+                           for t in (torch.zeros(p, dtype=torch.bool), x.action_mask.cpu())])
+    return torch.cat([is_action[1:], is_action.new_zeros(1)])
 
 
 def pack(samples: Sequence[PackableSample], multiple: int, *, seq_length: Optional[int] = None,

@@ -131,10 +131,11 @@ def resolve(dotted: str) -> Any:
     return obj
 
 
-def _serve_calls(dotted: str, timeout_s: float) -> None:
+def _serve_calls(dotted: str, timeout_s: float, kind: str = "rewards") -> None:
     """{"ready": true} (or {"error": ...}) first; then keyword arguments in, {"rewards": [...]}
-    or {"error": ...} out, one JSON line each. The user's prints go to stderr, never into the
-    answers; SIGALRM bounds each call (code that ignores signals is killed by the caller)."""
+    (kind "rewards") or {"result": ...} (kind "result": any JSON value) or {"error": ...} out,
+    one JSON line each. The user's prints go to stderr, never into the answers; SIGALRM bounds
+    each call (code that ignores signals is killed by the caller)."""
     import signal
 
     answers = os.fdopen(os.dup(1), "w")
@@ -146,7 +147,8 @@ def _serve_calls(dotted: str, timeout_s: float) -> None:
         answers.flush()
 
     def expired(signum, frame) -> None:  # noqa: ARG001
-        raise TimeoutError(f"no answer within reward.timeout_s ({timeout_s:g} s)")
+        key = "reward" if kind == "rewards" else "env"
+        raise TimeoutError(f"no answer within {key}.timeout_s ({timeout_s:g} s)")
 
     try:
         fn = resolve(dotted)
@@ -159,7 +161,10 @@ def _serve_calls(dotted: str, timeout_s: float) -> None:
         kwargs = json.loads(line)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-            reply({"rewards": check_rewards(fn(**kwargs), len(kwargs["responses"]))})
+            if kind == "rewards":
+                reply({"rewards": check_rewards(fn(**kwargs), len(kwargs["responses"]))})
+            else:
+                reply({"result": fn(**kwargs)})
         except BaseException as e:  # noqa: BLE001 - the caller decides (reward.on_error)
             kind = "timeout" if isinstance(e, TimeoutError) else type(e).__name__
             reply({"error": f"{kind}: {e}"})
@@ -313,10 +318,11 @@ class BoundedFunction(_WorkerOwner):
     the function cannot be imported."""
 
     def __init__(self, dotted: str, timeout_s: float = 10.0,
-                 kill_after_s: Optional[float] = None) -> None:
-        self.dotted, self.timeout_s = dotted, timeout_s
+                 kill_after_s: Optional[float] = None, kind: str = "rewards",
+                 what: str = "reward.function") -> None:
+        self.dotted, self.timeout_s, self.kind, self.what = dotted, timeout_s, kind, what
         self.kill_after_s = kill_after_s if kill_after_s is not None else 2 * timeout_s + 5
-        self._worker = _Worker(["call", dotted, timeout_s], self.kill_after_s)
+        self._worker = _Worker(["call", dotted, timeout_s, kind], self.kill_after_s)
         self._start()
 
     def _start(self) -> None:
@@ -326,12 +332,13 @@ class BoundedFunction(_WorkerOwner):
         answer = json.loads(line) if line else {"error": why[line]}
         if not answer.get("ready"):
             self._worker.stop(kill=True)
-            raise RewardError(f"reward.function: cannot load {self.dotted!r} ({answer['error']})")
+            raise RewardError(f"{self.what}: cannot load {self.dotted!r} ({answer['error']})")
         self._worker.warm = True
 
-    def call(self, **kwargs: Any) -> list[float]:
-        """The function's rewards for one call; RewardError when it raised, timed out, returned
-        something else than one finite number per response, or its worker died."""
+    def call(self, **kwargs: Any) -> Any:
+        """The function's rewards (kind "result": its JSON answer) for one call; RewardError when
+        it raised, timed out, returned something else than one finite number per response, or
+        its worker died."""
         if self._worker.proc is None or self._worker.proc.poll() is not None:
             self._start()
         line = self._worker.ask(kwargs)
@@ -344,7 +351,7 @@ class BoundedFunction(_WorkerOwner):
         answer = json.loads(line)
         if "error" in answer:
             raise RewardError(answer["error"])
-        return answer["rewards"]
+        return answer["rewards" if self.kind == "rewards" else "result"]
 
 
 
@@ -354,6 +361,6 @@ def _clip(text: str, n: int = 80) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1] == "call":
-        _serve_calls(sys.argv[2], float(sys.argv[3]))
+        _serve_calls(sys.argv[2], float(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "rewards")
     else:
         _serve_math(int(sys.argv[2]) or None)

@@ -30,7 +30,18 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-TEMPLATES = ("qwen_math", "raw")
+# The SIS paper's agent prompt (Appendix C, Table 6), the question appended after "Question: ".
+# Search-R1's own (scripts/data_process/qa_search_train_merge.py) differs in small words ("as
+# many times as your want", "<answer> Beijing </answer>") and ends with a newline.
+SIS_AGENT = ("Answer the given question. You must conduct reasoning inside <think> and </think> "
+             "first every time you get new information. After reasoning, if you find you lack "
+             "some knowledge, you can call a search engine by <search> query </search>, and it "
+             "will return the top searched results between <information> and </information>. "
+             "You can search as many times as you want. If you find no further external "
+             "knowledge needed, you can directly provide the answer inside <answer> and "
+             "</answer> without detailed illustrations. For example, <answer> x </answer>. "
+             "Question: {question}")
+TEMPLATES = ("qwen_math", "sis_agent", "raw")
 
 
 class DataError(MegapklError, ValueError):
@@ -177,13 +188,15 @@ def render_prompt(problem: str, template: str, tokenizer: Any = None,
 
     qwen_math: Qwen-Math chat, system "Please reason step by step, and put your final answer
     within \\boxed{}." and the problem as the user turn, through the tokenizer's chat template when
-    it has one (a template that stamps a date gets `chat_date`), else as ChatML text. raw: the
-    problem unchanged."""
+    it has one (a template that stamps a date gets `chat_date`), else as ChatML text. sis_agent:
+    the SIS paper's agent instruction with the question as the one user turn (no system turn), as
+    Search-R1 renders it. raw: the problem unchanged."""
     if template == "raw":
         return problem, False
-    if template == "qwen_math":
+    if template in ("qwen_math", "sis_agent"):
         messages = [{"role": "system", "content": QWEN_MATH_SYSTEM},
-                    {"role": "user", "content": problem}]
+                    {"role": "user", "content": problem}] if template == "qwen_math" else \
+            [{"role": "user", "content": SIS_AGENT.format(question=problem)}]
         if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
             return tokenizer.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=True,

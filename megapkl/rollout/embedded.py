@@ -17,7 +17,7 @@ import difflib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,9 @@ from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sampling import draw, step_logprobs, top_logprobs
 from megapkl.rollout.seeds import row_seeds, uniforms
 from megapkl.rollout.version_store import StoredVersion
+
+if TYPE_CHECKING:
+    from megapkl.rollout.turns import TurnDriver
 
 ConfigLike = Union[str, os.PathLike, dict, Any]
 
@@ -412,8 +415,8 @@ class EmbeddedEngine(RolloutEngine):
                                     f"{len(missing)}, e.g. {missing[:5]}")
 
     # ---- interface: generation --------------------------------------------------------------------
-    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
-                 ) -> list[Sample]:
+    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams,
+                 turns: Optional["TurnDriver"] = None) -> list[Sample]:
         self._check_ready()
         check_generate_args(prompts, n, sampling)
         self._check_lengths(prompts, sampling)
@@ -425,6 +428,10 @@ class EmbeddedEngine(RolloutEngine):
         seeds = self._prompt_seeds(len(prompts), sampling)
         draws = row_seeds(seeds, n, self.device)  # each response's own random stream
         group_ids, uids = self._allocate_ids(len(prompts), n)
+        if turns is not None:  # multi-turn: rounds over one KV cache (rollout/embedded_turns.py)
+            from megapkl.rollout.embedded_turns import generate_trajectories
+
+            return generate_trajectories(self, prompts, n, sampling, turns, draws, group_ids, uids)
         rows = [(p, g) for p, g in zip(prompts, group_ids) for _ in range(n)]
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):

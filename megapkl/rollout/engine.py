@@ -13,13 +13,16 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from torch import Tensor
 
 from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.seeds import prompt_seed
+
+if TYPE_CHECKING:
+    from megapkl.rollout.turns import TurnDriver
 
 
 class RolloutError(MegapklError, RuntimeError):
@@ -130,12 +133,16 @@ class RolloutEngine(abc.ABC):
 
     # ---- the interface -------------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
-                 ) -> list[Sample]:
+    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams,
+                 turns: Optional["TurnDriver"] = None) -> list[Sample]:
         """`n` responses per prompt, returned prompt-major (prompt 0's n responses first).
 
         Responses to one prompt share a fresh group id; every response gets a fresh uid; every
-        Sample carries the version of the weights that generated it."""
+        Sample carries the version of the weights that generated it. With `turns` (a
+        `megapkl.rollout.turns.TurnDriver`) every response is a multi-turn trajectory: the
+        engine generates a turn (at most `turns.turn_tokens(...)` tokens, ended by `turns.stop`
+        strings kept in the output), hands it to the driver, continues after the observation it
+        returns, and so on; `sampling.max_new_tokens` is then the whole response's budget."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

@@ -1,5 +1,5 @@
-"""Rewards: the math verifier, the synthetic task's exact match, and the user's own (a Python
-function or an HTTP reward server).
+"""Rewards: the math verifier, the synthetic task's exact match, the search agent's answer exact
+match (Search-R1's), and the user's own (a Python function or an HTTP reward server).
 
 A reward fills `sample.reward` for a batch of samples. The built-in rewards map each sample to
 `correct` or `incorrect` (PKL periodic refresh: +1 / -1; PKL controlled staleness and TETPO:
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import string
 import time
 from typing import Any, Optional, Sequence
 
@@ -74,6 +76,13 @@ class Reward:
         self.close()
 
 
+def last_action_ids(sample: Sample) -> torch.Tensor:
+    """The ids of the policy's last turn: the whole response when it is single-turn."""
+    if sample.segments is None:
+        return sample.response_ids
+    return sample.response_ids[sample.response_len - sample.segments[-1].length:]
+
+
 def response_text(sample: Sample, tokenizer: Any) -> str:
     if sample.response_text is not None:
         return sample.response_text
@@ -120,7 +129,8 @@ class SyntheticReward(Reward):
     """Exact-match correctness as defined by a synthetic task (`task.is_correct(ids, answer)`).
     A task with partial credit (`task.fraction_correct(ids, answer)` in [0, 1], e.g. count_up_8)
     scores incorrect + (correct - incorrect) * fraction, and `correct` only when all of it is right,
-    so `accuracy` still counts fully correct responses."""
+    so `accuracy` still counts fully correct responses. The task reads the policy's last turn
+    (the whole response when it is single-turn; never an observation)."""
 
     def __init__(self, task: Any, correct: float = 1.0, incorrect: float = -1.0):
         super().__init__(correct, incorrect)
@@ -128,7 +138,7 @@ class SyntheticReward(Reward):
 
     def is_correct(self, sample: Sample) -> bool:
         try:
-            return bool(self.task.is_correct(sample.response_ids, sample.answer))
+            return bool(self.task.is_correct(last_action_ids(sample), sample.answer))
         except Exception as e:  # a task bug must not look like a crash of the run either
             log.debug("synthetic reward: %s", e)
             return False
@@ -138,7 +148,7 @@ class SyntheticReward(Reward):
         if fraction is None or self.is_correct(sample):
             return super().score(sample)
         try:
-            f = float(fraction(sample.response_ids, sample.answer))
+            f = float(fraction(last_action_ids(sample), sample.answer))
         except Exception as e:
             log.debug("synthetic reward: %s", e)
             return self.incorrect
@@ -250,6 +260,105 @@ class HttpReward(GroupReward):
         raise RewardError(f"{len(errors)} attempt(s) failed: " + " | ".join(errors[-3:]))
 
 
+# ---- the search agent's reward: Search-R1's exact match (verl/utils/reward_score/qa_em.py)
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1's (SQuAD's) normalisation: lower-case, punctuation removed, the articles a / an /
+    the removed, whitespace collapsed."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, golds: Sequence[str]) -> bool:
+    """Does the normalised prediction equal any normalised gold answer?"""
+    p = normalize_answer(prediction)
+    return any(normalize_answer(g) == p for g in golds)
+
+
+def last_answer(texts: Sequence[str]) -> Optional[str]:
+    """The last <answer>...</answer> (stripped) in the policy's writing, one text per action
+    segment (a match never spans an observation); None when there is none."""
+    for text in reversed(texts):
+        found = _ANSWER.findall(text or "")
+        if found:
+            return found[-1].strip()
+    return None
+
+
+def gold_answers(sample: Sample) -> list[str]:
+    """Every gold answer of a sample: the row's `golden_answers` list (how `megapkl data prepare`
+    writes the QA sets, beside `answer`, the first of them), else `answer` alone."""
+    golds = (sample.metadata.get("fields") or {}).get("golden_answers")
+    if isinstance(golds, (list, tuple)) and golds and all(isinstance(g, str) for g in golds):
+        return list(golds)
+    if isinstance(golds, str) and golds:
+        return [golds]
+    if sample.answer is None:
+        raise ValueError(f"sample {sample.uid} ({_origin(sample)}) has no gold answer "
+                         "(answer or golden_answers)")
+    return [sample.answer]
+
+
+class AnswerEMReward(Reward):
+    """`reward.type: answer_em`: `correct` when the last <answer> the policy wrote matches any
+    gold answer exactly after normalisation (Search-R1's exact match), else `incorrect`; outcome
+    only, no format shaping. Only the policy's own writing is read (Sample.action_texts): the
+    prompt's template example and the retrieved passages never count, so Search-R1's rule of
+    skipping the prompt's example answer is not needed."""
+
+    def __init__(self, correct: float = 1.0, incorrect: float = 0.0, tokenizer: Any = None):
+        super().__init__(correct, incorrect)
+        self.tokenizer = tokenizer
+
+    def texts(self, sample: Sample) -> list[str]:
+        if sample.segments is None:
+            return [response_text(sample, self.tokenizer)]
+        return sample.action_texts()
+
+    def is_correct(self, sample: Sample) -> bool:
+        answer = last_answer(self.texts(sample))
+        return answer is not None and exact_match(answer, gold_answers(sample))
+
+
+def data_source(sample: Sample) -> str:
+    """The dataset a sample's prompt comes from: the row's `source` (prepared QA sets) or
+    `data_source` (Search-R1's files), else "all"."""
+    fields = sample.metadata.get("fields") or {}
+    src = fields.get("source", fields.get("data_source"))
+    return str(src) if isinstance(src, str) and src else "all"
+
+
+def match_counts(samples: Sequence[Sample], correct: float) -> dict[str, list[int]]:
+    """{source: [samples, correct ones]} of scored samples (mergeable over ranks by summing)."""
+    counts: dict[str, list[int]] = {}
+    for s in samples:
+        if s.reward is None:
+            raise ValueError(f"sample {s.uid} is not scored yet (call the reward first)")
+        c = counts.setdefault(data_source(s), [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + int(s.reward == correct)
+    return counts
+
+
+def match_metrics(counts: dict[str, list[int]], prefix: str = "em/") -> dict[str, float]:
+    """{prefix}{source}: fraction correct per data source, and {prefix}avg: the unweighted mean
+    over the sources (the SIS paper's table averages its benchmarks)."""
+    out = {f"{prefix}{k}": h / n for k, (n, h) in sorted(counts.items())}
+    if out:
+        out[f"{prefix}avg"] = sum(out.values()) / len(out)
+    return out
+
+
+def exact_match_by_source(samples: Sequence[Sample], reward: Reward,
+                          prefix: str = "em/") -> dict[str, float]:
+    """Exact match per data source of scored samples (`match_metrics` of one process)."""
+    return match_metrics(match_counts(samples, reward.correct), prefix)
+
+
 def _origin(sample: Sample) -> str:
     """Where a sample's prompt comes from, for messages: 'file:line', else its group."""
     meta = sample.metadata or {}
@@ -287,10 +396,13 @@ def build_reward(reward_cfg: Any, data_cfg: Any = None, tokenizer: Any = None, t
 
             task = make_synthetic_task(data_cfg.synthetic)
         return SyntheticReward(task, r.correct, r.incorrect)
+    if kind == "answer_em":
+        return AnswerEMReward(r.correct, r.incorrect, tokenizer=tokenizer)
     if kind == "python":
         return FunctionReward(r.function, r.correct, r.incorrect, tokenizer=tokenizer,
                               timeout_s=r.timeout_s, on_error=r.on_error)
     if kind == "http":
         return HttpReward(r.url, r.correct, r.incorrect, tokenizer=tokenizer,
                           timeout_s=r.timeout_s, max_retries=r.max_retries, on_error=r.on_error)
-    raise ValueError(f"unknown reward type {kind!r}; expected math, synthetic, python or http")
+    raise ValueError(f"unknown reward type {kind!r}; expected math, synthetic, answer_em, python "
+                     "or http")

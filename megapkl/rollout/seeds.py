@@ -50,3 +50,11 @@ def uniforms(rows: Tensor, step: int) -> Tensor:
     """float64 [B] in [0, 1): decoding step `step`'s uniform of each row seed (53 random bits)."""
     z = _mix_tensor(rows ^ _signed(mix64(step)))
     return _lsr(z, 11).to(torch.float64) * 2.0 ** -53
+
+
+def uniforms_at(rows: Tensor, steps: Tensor) -> Tensor:
+    """`uniforms` with each row at its own decoding step (`steps` int64 [B]): a multi-turn
+    trajectory's k-th sampled token draws step k's uniform, whichever turn it is in and however
+    long the other rows' turns were."""
+    z = _mix_tensor(rows ^ _mix_tensor(steps.to(rows.device, torch.int64)))
+    return _lsr(z, 11).to(torch.float64) * 2.0 ** -53

@@ -5,6 +5,8 @@
 `repeat_next_8`, `repeat_next_16`: prompt "d", answer (d + 1) mod 10 written L = 8 or 16 times,
 with partial credit per position: long answers, where per-token and per-sequence off-policy
 corrections differ (see `RepeatNext`).
+`lookup_kv`: prompt a key "#k", answer its random value, which only a tool call returns (the
+multi-turn toy: `LookupKV`).
 The model has 128 output tokens and starts near uniform, so how a response is read decides whether
 RL from a random init gets any signal (`answer_mode`):
 
@@ -203,9 +205,72 @@ class RepeatNext:
         return ((vocab_size - 3) / vocab_size / 10) ** self.length
 
 
+class LookupKV:
+    """A task only a tool call solves (multi-turn, env.type lookup: `megapkl/envs/lookup.py`).
+
+    Prompt "#k" for a key k of `digits` digits (10**digits keys); answer: the key's value, a digit
+    drawn at random per key from a table seeded with `seed` (the small corpus the tool looks in).
+    The prompt says nothing about the value, and a tiny model cannot store 10,000 random digits,
+    so answering straight from the prompt is right by chance alone.
+
+    Each turn is one token, read as in add_mod10's "token_class" mode (token id v spells digit
+    (v - 48) mod 10; PAD, BOS and EOS spell nothing). At the first turn, a token from the upper
+    part of the vocabulary (id >= 80: 'P'..'~' and beyond) is instead the tool call: the
+    environment inserts "=v" (the key's value) and the policy answers at a second turn. So a
+    uniform policy calls the tool 38% of the time and is right 10% of the time either way; what
+    RL must learn is to call the tool, then copy the digit it returned. `is_correct` reads the
+    policy's last turn (the reward gets the last action's ids).
+    """
+
+    name = "lookup_kv"
+    TOOL_FROM = 80  # first-turn tokens from this id on call the tool
+    tokenizer = CharTokenizer()
+
+    def __init__(self, digits: int = 4, seed: int = 1234):
+        if not 1 <= digits <= 6:
+            raise ValueError(f"lookup_kv: digits must be in 1..6, got {digits}")
+        self.digits, self.seed = digits, seed
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randint(0, 10, (10 ** digits,), generator=g).tolist()
+
+    def key(self, prompt: str) -> Optional[int]:
+        """The key a prompt asks for, or None when it is not "#<digits>"."""
+        body = prompt[1:] if prompt.startswith("#") else ""
+        return int(body) if len(body) == self.digits and body.isdigit() else None
+
+    def value(self, key: int) -> str:
+        return str(self.table[key])
+
+    def problems(self) -> list[SyntheticProblem]:
+        return [SyntheticProblem(f"#{k:0{self.digits}d}", self.value(k))
+                for k in range(10 ** self.digits)]
+
+    def calls_tool(self, first_turn: Sequence[int]) -> bool:
+        """Is this first turn the tool call?"""
+        return bool(first_turn) and int(first_turn[0]) >= self.TOOL_FROM
+
+    @staticmethod
+    def digit(token: int) -> Optional[str]:
+        return None if token in (PAD_ID, BOS_ID, EOS_ID) else str((token - ord("0")) % 10)
+
+    def extract(self, response_ids: Union[Sequence[int], torch.Tensor]) -> Optional[str]:
+        """The digit a turn answers (its first token's), or None (nothing, or a tool call that
+        got no answer: a one-turn response)."""
+        ids = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else list(response_ids)
+        return self.digit(ids[0]) if ids else None
+
+    def is_correct(self, response_ids, answer: str) -> bool:
+        return self.extract(response_ids) == answer
+
+    def chance_accuracy(self, max_response_len: int = 4, vocab_size: int = 128) -> float:
+        """A uniform policy's accuracy: one in ten either way (spelling tokens only)."""
+        return (vocab_size - 3) / vocab_size / 10
+
+
 SYNTHETIC_TASKS = {"add_mod10": AddMod10, "next_mod10": NextMod10,
                    "repeat_next_8": functools.partial(RepeatNext, 8),
-                   "repeat_next_16": functools.partial(RepeatNext, 16)}
+                   "repeat_next_16": functools.partial(RepeatNext, 16),
+                   "lookup_kv": LookupKV}
 
 
 def make_synthetic_task(name: str, **kwargs):

@@ -28,7 +28,7 @@ class Evaluator:
 
     def __init__(self, eval_cfg: Any, rollout_cfg: Any, data_cfg: Any, *, seed: int,
                  tokenizer: Any, out_dir: Path, dp: tuple[int, int], versions: Any, slot: Any,
-                 export: Callable[[], Iterable]) -> None:
+                 export: Callable[[], Iterable], turns: Any = None) -> None:
         from megapkl.eval.runner import Scoring, load_benchmarks
 
         self.cfg, self.rollout_cfg, self.seed = eval_cfg, rollout_cfg, seed
@@ -37,6 +37,7 @@ class Evaluator:
                                timeout_s=eval_cfg.verify_timeout_s)
         self.out_dir, self.dp, self.export = Path(out_dir), dp, export
         self.versions, self.slot = versions, slot
+        self.turns = turns  # multi-turn: the rollouts' environment driver (engines only)
 
     def due(self, u: int) -> bool:
         """Is the evaluation after update u due (eval.every)?"""
@@ -77,7 +78,8 @@ class Evaluator:
         def records() -> list:  # between generations ahead of training (rollout.async_batches)
             with self.slot.borrowed(version) as engine:  # back at the rollouts' version after
                 return evaluate(engine, self.benchmarks, self.cfg, self.rollout_cfg, step=version,
-                                seed=self.seed, scoring=self.scoring, share=self.dp)
+                                seed=self.seed, scoring=self.scoring, share=self.dp,
+                                turns=self.turns)
         got, error = attempt(records)
         return error, got or []
 

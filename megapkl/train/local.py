@@ -36,29 +36,44 @@ def held_run(cfg) -> str:
     return ", ".join(found)
 
 
+def run_dir_action(cfg, if_exists: str = "error") -> tuple[str, str]:
+    """What starting `cfg` does with a run directory that may hold a run, the rule of both
+    `megapkl train` and `megapkl submit`: (action, what it holds in words). 'new' (it holds no
+    run), 'refuse' (it does and --if-exists is 'error' with checkpoint.resume unset), 'resume'
+    (--if-exists resume, or checkpoint.resume set in the config: continue from its checkpoint),
+    'overwrite' (delete the run directory and checkpoint.dir, then start)."""
+    held = held_run(cfg)
+    if not held:
+        return "new", ""
+    if if_exists == "overwrite":
+        return "overwrite", held
+    if if_exists == "resume" or cfg.checkpoint.resume is not False:
+        return "resume", held
+    return "refuse", held
+
+
+def refusal(cfg, held: str) -> str:
+    return (f"run directory {cfg.run_dir} already holds a run ({held}); pass --if-exists resume "
+            "(continue from its latest checkpoint) or --if-exists overwrite (delete it) or set "
+            "checkpoint.resume, or another name (name=...)")
+
+
 def claim_run_dir(cfg, if_exists: str = "error"):
-    """`megapkl train` into a directory that already holds a run: 'error' refuses (one line naming
-    the directory and what it holds) unless the config sets checkpoint.resume, 'resume' continues from its latest checkpoint
-    (checkpoint.resume: true unless the config names one), 'overwrite' deletes the run directory
-    and checkpoint.dir first. Returns the config to train."""
+    """`megapkl train` into a directory that may hold a run, by `run_dir_action`: refused with one
+    line naming the directory and what it holds, resumed (checkpoint.resume: true unless the
+    config names one) or deleted first. Returns the config to train."""
     import dataclasses
     import shutil
 
-    held = held_run(cfg)
-    if not held or (if_exists == "error" and cfg.checkpoint.resume is not False):
-        return cfg  # checkpoint.resume set in the config says "continue it" already
-    if if_exists == "error":
+    action, held = run_dir_action(cfg, if_exists)
+    if action == "refuse":
         from megapkl.errors import MegapklError
 
-        raise MegapklError(f"run directory {cfg.run_dir} already holds a run ({held}); pass "
-                           "--if-exists resume (continue from its latest checkpoint) or "
-                           "--if-exists overwrite (delete it) or set checkpoint.resume, or another name "
-                           "(name=...)")
-    if if_exists == "overwrite":
+        raise MegapklError(refusal(cfg, held))
+    if action == "overwrite":
         shutil.rmtree(cfg.checkpoint.dir, ignore_errors=True)
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        return cfg
-    if cfg.checkpoint.resume is False:
+    elif action == "resume" and cfg.checkpoint.resume is False:
         return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     return cfg
 

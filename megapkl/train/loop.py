@@ -26,6 +26,7 @@ import gc
 import os
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -37,7 +38,8 @@ from megapkl.config.layout import Layout
 from megapkl.config.loader import dump_config
 from megapkl.parallel.groups import created_groups, release_groups
 from megapkl.parallel.threads import torch_threads
-from megapkl.rollout.rewards import ERROR_KEY
+from megapkl.rollout.rewards import ERROR_KEY, match_counts, match_metrics
+from megapkl.rollout.turns import trajectory_metrics, trajectory_sums
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
 from megapkl.train.agree import Carried, RanksFailed, agreed
@@ -116,10 +118,12 @@ class Trainer:
         self.learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
                                temperature=cfg.rollout.temperature, groups=g)
         replica = self._replica(cfg.rollout, g, lay)
+        retriever = self._retriever()  # env.search.index: the run's own, before any engine
         self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
             cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
             advantage=cfg.advantage, spec=self.learner.spec, replica=replica, layout=lay,
-            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, timers=self.timers,
+            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, env=cfg.env,
+            retriever=retriever, timers=self.timers,
             hold=context.hold, schedule=self.schedule, stopping=context.stopping),
             what="starting the rollouts")
         context.on_exit(self.rollouts.stop_ahead)  # its generation thread, before its engine
@@ -279,15 +283,35 @@ class Trainer:
                             sum(s.reward == correct for s in samples), sum(stale), tokens, failed],
                            dtype=torch.float64, device=device)
         top = torch.tensor([max(stale, default=0)], dtype=torch.float64, device=device)
+        if self.cfg.env.multi_turn:  # turns, tool calls, action / observation tokens
+            vec = torch.cat([vec, torch.tensor(trajectory_sums(samples), dtype=torch.float64,
+                                               device=device)])
         if self.groups.dp_size > 1:
             dist.all_reduce(vec, group=self.groups.dp)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        n, reward, right, stale_sum, tok, failed = vec.cpu().tolist()
+        (n, reward, right, stale_sum, tok, failed), more = vec[:6].cpu().tolist(), vec[6:].cpu()
         out = {"reward/mean": reward / n, "train/accuracy": right / n, "reward/errors": failed,
                "staleness/mean": stale_sum / n, "staleness/max": float(top.item()),
                "response_len/mean": tok / n,
                "tokens_per_s": tok / max(self.timers.totals["train"], 1e-9)}
+        if more.numel():
+            out.update(trajectory_metrics(more.tolist()))
+        if self.cfg.reward.type == "answer_em":  # the SIS paper's agent table: EM per dataset
+            out.update(self._match_by_source(samples))
         return {**out, **(self.rollouts.load_metrics() if plan.new_batch else {})}
+
+    def _match_by_source(self, samples: list) -> dict[str, float]:
+        """em/<source> (and em/avg) of the minibatch over every data-parallel rank."""
+        parts = [match_counts(samples, self.rollouts.correct)]
+        if self.groups.dp_size > 1:
+            mine, parts = parts[0], [None] * self.groups.dp_size
+            dist.all_gather_object(parts, mine, group=self.groups.dp)
+        merged: dict[str, list[int]] = {}
+        for part in parts:
+            for k, (n, h) in part.items():
+                m = merged.setdefault(k, [0, 0])
+                m[0], m[1] = m[0] + n, m[1] + h
+        return match_metrics(merged)
 
     def count(self, u: int, metrics: dict, applied: bool) -> None:
         """Update u is done (a non-finite loss skipped it); too many skips in a row stop the run,
@@ -353,6 +377,21 @@ class Trainer:
                what="placing the rollout engines")
         return Replica.of(g, engine_owners(rollout, lay))
 
+    def _retriever(self):
+        """The search agent's retriever when the run serves its own (env.search.index): rank 0
+        starts it (on a Slurm job, as the profile's job step) and holds it; every rank gets its
+        URL. None otherwise. Collective."""
+        from megapkl.envs import build_retriever
+
+        def start() -> Optional[str]:
+            launcher = getattr(self.context.launch, "retriever_launcher", lambda: None)()
+            r = self.context.hold(build_retriever(self.cfg.env, self.run_dir, launcher=launcher))
+            return None if r is None else r.start().url
+        url = [agreed(start if self.rank == 0 else lambda: None, what="starting the retriever")]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(url, src=0)
+        return None if url[0] is None else types.SimpleNamespace(url=url[0])
+
     def _evaluator(self):
         """The evaluator (None unless eval.every or eval.at_start), on the rollout stage's engine."""
         from megapkl.train.evaluation import Evaluator
@@ -364,7 +403,7 @@ class Trainer:
             cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
             out_dir=self.run_dir / "eval", dp=self.rollouts.replica.eval_share,
             versions=self.rollouts.versions, slot=self.rollouts.slot,
-            export=self.learner.export))
+            export=self.learner.export, turns=self.rollouts.turns))
 
     def _start_logs(self) -> MetricsLogger:
         """The metrics logger (rank 0 writes), after rank 0's announcement (agreed: the files)."""

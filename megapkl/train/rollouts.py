@@ -43,6 +43,7 @@ from megapkl.parallel.groups import ParallelGroups, replica_group
 from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
 from megapkl.rollout.seeds import prompt_seed
+from megapkl.rollout.turns import ENV_ERROR_KEY
 from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import RankError, RanksFailed, agree, attempt
 from megapkl.train.engine_slot import EngineSlot, load_order
@@ -114,15 +115,19 @@ class Ahead:
 
 def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, advantage: Any,
                         spec: Any, replica: Replica, layout: Layout, run_dir: Path, seed: int,
-                        steps: int, timers: Optional[Timers] = None,
+                        steps: int, env: Any = None, retriever: Any = None,
+                        timers: Optional[Timers] = None,
                         hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
                         stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
-    """The stage of the rollout section, with the model, data, reward and advantage sections it
-    reads: tokenizer and prompts (data), reward, the policy versions (under `run_dir`) and, on a
-    rank that runs one of its replica's engines (Replica.owners), the engine in its slot, placed
-    by the trainer's `layout`. `steps`: the run's updates (train.steps). `hold(x)` registers x's
-    close with the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming
-    batches' versions under async_batches."""
+    """The stage of the rollout section, with the model, data, reward, advantage and env
+    sections it reads: tokenizer and prompts (data), reward, the policy versions (under
+    `run_dir`) and, on a rank that runs one of its replica's engines (Replica.owners), the engine
+    in its slot, placed by the trainer's `layout`, and the multi-turn environment's turn driver
+    (env, when set; `retriever`: the run's own, with its `url`). `steps`: the run's updates
+    (train.steps). `hold(x)` registers x's close with
+    the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches'
+    versions under async_batches."""
+    from megapkl.envs import build_turn_driver
     from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.rollout.rewards import build_reward
     from megapkl.rollout.sglang.launch import releases_memory
@@ -138,9 +143,12 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
     versions = PolicyVersions(VersionStore(Path(run_dir) / "policy_versions", writer=writer),
                               fp8=r.fp8, pool=r.snapshot_pool, reader=replica.engine,
                               timers=timers)
-    engine = scorer = None
+    engine = scorer = turns = None
     if replica.engine:  # the replica's other ranks get the scored samples from its engines
         scorer = hold(build_reward(reward, data, tokenizer, task))
+        if env is not None:
+            turns = hold(build_turn_driver(env, r.max_response_len, tokenizer, task,
+                                           retriever=retriever))
         engine = hold(build_run_engine(r, model, spec, tokenizer, work_dir=run_dir, seed=seed,
                                        layout=layout, replica=replica.dp_rank,
                                        stopping=stopping, rank=replica.rank))
@@ -156,7 +164,7 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
     return RolloutStage(r, advantage, data=data, correct=reward.correct, seed=seed,
                         tokenizer=tokenizer, dataset=dataset, reward=scorer, versions=versions,
                         slot=slot, sampling=sampling, replica=replica, timers=timers,
-                        ahead=ahead)
+                        ahead=ahead, turns=turns)
 
 
 class RolloutStage:
@@ -167,7 +175,8 @@ class RolloutStage:
     def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
                  tokenizer: Any, dataset: Any, reward: Any, versions: PolicyVersions,
                  slot: EngineSlot, sampling: SamplingParams, replica: Replica,
-                 timers: Optional[Timers] = None, ahead: Optional[Ahead] = None) -> None:
+                 timers: Optional[Timers] = None, ahead: Optional[Ahead] = None,
+                 turns: Any = None) -> None:
         from megapkl.rollout.data import PromptIterator
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
@@ -181,6 +190,7 @@ class RolloutStage:
         self.versions_loaded = 0
         self.ahead = ahead  # generation ahead (engines only): one unit of work at a time
         self.producer: Optional[Producer] = None
+        self.turns = turns  # multi-turn: the environment's turn driver (engines only), or None
 
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine switched to for the current batch, counted from the one
@@ -348,9 +358,12 @@ class RolloutStage:
                 prompt_seed(seed, slot) for _, slot in part))
             with timers("generate"):
                 samples = engine.generate([self.dataset[i] for i, _ in part],
-                                               self.group_size, sampling)
+                                          self.group_size, sampling, turns=self.turns)
             with timers("reward"):
                 self.reward(samples)
+                for s in samples:  # an environment's failure (env.on_error: incorrect)
+                    if ENV_ERROR_KEY in s.metadata:
+                        s.reward = self.reward.incorrect
             for j, (_, slot) in enumerate(part):
                 members = samples[j * self.group_size:(j + 1) * self.group_size]
                 self._label(members, batch, rnd, slot)

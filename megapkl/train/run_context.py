@@ -127,11 +127,14 @@ class RunContext:
             return
         dist.barrier()
         timeout = datetime.timedelta(seconds=seconds)
+        # torch 2.14 made it public; 2.13 (the lowest torch pyproject.toml admits) has the same
+        # call under its former private name
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         world = dist.distributed_c10d._world.pg_map  # every group this process created
         for group in list(world):
             if dist.distributed_c10d._rank_not_in_group(group):
                 continue
-            dist.set_timeout(timeout, group)
+            set_timeout(timeout, group)
 
     def stop(self, reason: str, u: int, checkpoint: Path) -> None:
         """After update u's checkpoint: requeue a preempted job (never returns), or say why a

@@ -29,8 +29,9 @@ def test_every_declared_setting_validates(tmp_path):
         added = tuple(t for c in fam.added + fam.declared for t in c.tests)
         for t in fam.tests + fam.described + added:  # every test names arms of its settings
             assert {t.a, t.b} <= methods[t.setting] and (t.lo is None or {t.a, t.b} <= methods[t.lo])
-    # pilot 3, PKL 8, SIS 8, TETPO 4 per seed; the follow-up: its pilot 3, clip 10, SIS 4, TETPO 2
-    assert arms == 23 + 19
+    # pilot 3, PKL 8, SIS 8, TETPO 4 per seed; the follow-up: its pilot 3, clip 10, SIS 4, TETPO 2;
+    # the noise floor's re-run 2
+    assert arms == 23 + 19 + 2
 
 
 def test_the_follow_up_runs_what_the_doc_declares():
@@ -270,8 +271,14 @@ def test_the_reported_numbers_are_recomputed_from_the_committed_summaries(capsys
         section = section[:section.index("\n### ")] if "\n### " in section else section
         rows = [_cells(ln) for ln in section.splitlines() if ln.startswith("| ")]
         methods = [study.label(m) for m in fam.settings[0].methods]
+        final = False  # the post-hoc final-value tables: held by test_both_summaries_table
         for ln in part.splitlines():
             c = _cells(ln)
+            if not ln.startswith("|"):
+                final = ln.startswith("The same tests on the final value") or (final and not ln)
+                continue
+            if final:
+                continue
             if ln.startswith("| ") and c[0] in methods:  # a method's summary
                 assert any(r[0] == c[0] and c[1] in r for r in rows), (key, ln)
                 checked += 1
@@ -314,7 +321,7 @@ def test_the_follow_up_results_are_recomputed_from_the_committed_summaries(capsy
     for ln in printed.splitlines():
         if ln.startswith("Declared before the runs"):
             declared = True
-        elif ln.startswith("**Verdict") or ln.startswith("### "):
+        elif ln.startswith(("**Verdict", "### ", "The same tests on the final value")):
             declared = False
         elif declared and ln.startswith("| ") and " at " in ln:
             c = _cells(ln)
@@ -341,3 +348,60 @@ def test_the_reported_aggregates_are_recomputed_from_the_committed_summaries():
         ab = [q["prob_improvement"] for q in m["pairs"]["auc"] if (q["a"], q["b"]) == (a, b)]
         ba = [1 - q["prob_improvement"] for q in m["pairs"]["auc"] if (q["a"], q["b"]) == (b, a)]
         assert f"{(ab + ba)[0]:.2f}" == prob, name
+
+
+def test_both_summaries_table_and_the_noise_floor_are_in_the_doc(capsys):
+    """docs/study-cpu.md carries `analyze`'s table of every test a verdict rests on, on the mean
+    over the run and on the final value (labelled post hoc), and its noise-floor table, row for
+    row as computed from the committed per-seed JSON."""
+    docs = ROOT / "docs" / "study-cpu"
+    study.analyze(docs, None)
+    printed = capsys.readouterr().out
+    text = (ROOT / "docs" / "study-cpu.md").read_text()
+    for head in ("### Noise floor", "### Every test of a verdict"):
+        part = printed[printed.index(head):]
+        part = part[:part.index("\n### ", 1)]
+        rows = [ln for ln in part.splitlines() if ln.startswith("| ")]
+        assert len(rows) > 4 and all(ln in text for ln in rows), \
+            [ln for ln in rows if ln not in text][:3]
+    assert "final value (post hoc)" in text
+    summaries = study.load_summaries(docs, None)
+    lines = study.both_table(summaries, study.noise_floor(summaries))
+    tests = sum(len(f.tests) + sum(len(c.tests) for c in f.added + f.declared)
+                for f in study.FAMILIES.values())
+    assert len(lines) == 2 + tests == 2 + 9 + 4 + 14
+
+
+def test_the_floor_is_read_beside_every_effect():
+    """The floor of an effect is sqrt(2) (a difference) or 2 (a difference in differences) times
+    one arm's, and an effect is read only outside both its interval's 0 and the floor."""
+    pairs = ((("a", "x"), ("b", "x")),)
+    summaries = {s: _summary({"x": v}) for s, v in (("a", [0.5, 0.6, 0.4, 0.3]),
+                                                    ("b", [0.45, 0.62, 0.41, 0.25]))}
+    for s in summaries.values():
+        s["metrics"][study.PRIMARY]["methods"]["x"]["seeds"] = s["seeds"]
+        s["metrics"][study.PRIMARY]["methods"]["x"]["final"] = {"values": [0.0] * 4}
+    f = study.floor_stats(summaries, pairs, n=10)["auc"]
+    d = [0.05, -0.02, -0.01, 0.05]
+    assert f["pairs"] == 4 and f["per_seed"] == pytest.approx(0.05)
+    assert f["arm"] == pytest.approx(1.96 * np.std(d, ddof=1) / np.sqrt(10))
+    floor = {"auc": f}
+    diff, did = study.Test("p", "q", "s"), study.Test("p", "q", "s", lo="t")
+    assert study.floor_of(diff, floor, "auc") == pytest.approx(f["arm"] * np.sqrt(2))
+    assert study.floor_of(did, floor, "auc") == pytest.approx(f["arm"] * 2)
+    big = st.paired_t([1.0, 1.1, 1.2, 1.05], [0.0, 0.1, 0.05, 0.0])
+    small = st.paired_t([0.01, 0.012, 0.011, 0.013], [0.0, 0.001, 0.0, 0.002])
+    assert study.reading(big, 0.1) == "read" and study.reading(small, 0.1) == "below the floor"
+    assert study.reading(st.paired_t([0.1, -0.1, 0.2, -0.2], [0, 0, 0, 0]), 0.1) == "interval holds 0"
+
+
+def test_a_block_whose_code_changed_stops_before_its_next_run(tmp_path):
+    """Each run is recorded with the commit read at its own start; when that is not the code the
+    block's process imported, the block stops before training anything."""
+    from megapkl.analysis.compare import Arm
+
+    then = {"commit": "0" * 40, "local_changes": False}
+    arm = Arm("grpo", 0, [], tmp_path / "grpo" / "seed-0")
+    with pytest.raises(SystemExit, match="the code changed during this block"):
+        study.one_by_one(tmp_path / "runs.json", then, study.BASE, [arm])
+    assert not (tmp_path / "runs.json").exists() and not arm.run_dir.exists()

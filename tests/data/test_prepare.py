@@ -35,7 +35,8 @@ EXPECTED = {
 
 
 def test_every_source_has_a_fixture_and_a_case():
-    assert set(EXPECTED) == set(SOURCES)
+    # the search agent's QA sets: tests/data/test_prepare_qa.py (fixtures made by the test)
+    assert set(EXPECTED) == {n for n, s in SOURCES.items() if s.group != "qa"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

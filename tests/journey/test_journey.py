@@ -10,9 +10,10 @@ Then every documented `eval`, `plot` and `diagnose` command runs on those run di
 
 What changes from the documented commands is only what names the user's cluster and what scales
 the run to a CPU: the model becomes its tiny twin (`/models/...` holds tiny Hugging Face checkpoints
-with a tokenizer), the engine the embedded one or `megapkl serve`, the parallel sizes, batch and
-lengths shrink, `--profile h100` becomes the local cluster's `local_cpu`, step numbers scale down.
-Data comes from the test fixtures in each source's layout (`--from-file`). Every command of
+with a tokenizer), SGLang servers `megapkl serve` workers (FP8 where the config says so, as an
+FP8 SGLang server: it takes FP8 weights only), the parallel sizes, batch and lengths shrink,
+`--profile h100` becomes the local cluster's `local_cpu`, step numbers scale down. Data comes
+from the test fixtures in each source's layout (`--from-file`). Every command of
 docs/experiments.md is in COVERAGE: run by a test here, or not testable here and why.
 """
 from __future__ import annotations
@@ -75,15 +76,17 @@ COVERAGE = {
     f"megapkl diagnose correction-variance {PKL_RUN} --out results/pkl_c3.json":
         "test_diagnose",
     "megapkl demo": "test_laptop_section",
-    "megapkl eval runs/cpu_demo_proximal_kl --benchmarks next_mod10": "test_laptop_section",
+    "megapkl eval runs/cpu_demo_proximal_kl --benchmarks next_mod10 --out results/demo":
+        "test_laptop_section",
     'megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: next_mod10, '
     'greedy: true}]"': "test_laptop_section",
     "megapkl plot runs/cpu_demo_proximal_kl --out plots/demo": "test_laptop_section",
     "megapkl demo reward.type=python reward.function=my_rewards:first_digit": "test_own_reward",
 }
 
-# The paper runs scaled to CPU. The PKL run: 2 Slurm tasks (data parallel 2 over gloo), the
-# embedded engine; evaluation on the paper's eight benchmarks every 2 updates. A tiny random model
+# The paper runs scaled to CPU. The PKL run: 2 Slurm tasks (data parallel 2 over gloo), its
+# configured engine (SGLang, FP8 rollouts) as one block-FP8 `megapkl serve` worker per replica;
+# evaluation on the paper's eight benchmarks every 2 updates. A tiny random model
 # solves no math problem: every reward is -1, so the papers' group-relative advantages would all be
 # 0 and the weights would never move; raw advantages (-1) move them at every update, so resume,
 # checkpoints, evaluation and the diagnostic see a changing policy.
@@ -92,7 +95,13 @@ CPU = ["advantage.mode=raw", "model.num_layers=null", "model.dtype=fp32", "model
        "rollout.prompts_per_batch=4", "rollout.responses_per_prompt=4",
        "rollout.max_prompt_len=256", "rollout.max_response_len=8", "eval.every=2",
        "checkpoint.every=1", "logging.progress_bar=false"]
-PKL_CPU = [*CPU, "model.name=tiny-qwen3", "parallel.data=2", "rollout.engine=embedded"]
+# An FP8 run's servers start from a config-only model directory (the trainer pushes every weight
+# first): the FP8 worker starts from the tiny model's seeded random weights instead.
+SERVE_FP8 = ["{python}", "-m", "megapkl.serve.serve", "--model-config", "tiny-qwen3",
+             "--quantization", "fp8", "--host", "{host}", "--port", "{port}"]
+PKL_CPU = [*CPU, "model.name=tiny-qwen3", "parallel.data=2",
+           f"rollout.sglang.server_command={json.dumps(SERVE_FP8)}", "rollout.sglang.num_engines=1",
+           "rollout.sglang.startup_timeout_s=300"]
 SERVE = ["{python}", "-m", "megapkl.serve.serve", "--hf-checkpoint", "{model_path}", "--host",
          "{host}", "--port", "{port}", "--enable-return-routed-experts"]
 SIS_CPU = [*CPU, "reward.incorrect=-1", "advantage.filter_constant_groups=false",  # SIS: 1/0
@@ -308,7 +317,7 @@ def test_eval_latest_checkpoint_as_in_training(pkl_run):
     in_training = steps["in_training_eval"]
     own = (run / "eval" / "step_000004.samples.jsonl").read_bytes()
     out = megapkl(*doc(f"megapkl eval {PKL_RUN}")).ok().out
-    assert "(update 4)" in out and "rollouts: the embedded engine" in out
+    assert "(update 4)" in out and "rollouts: one SGLang server on this process's CPU" in out
     assert (run / "eval" / "step_000004.samples.jsonl").read_bytes() == own  # the run's record
     summary = json.loads((run / "eval-cli" / "step_000004.json").read_text())
     assert summary["step"] == 4 and sorted(summary["benchmarks"]) == sorted(EVAL_SETS)
@@ -401,13 +410,18 @@ def test_plot(pkl_run, sis_run, work):
 def test_diagnose(pkl_run, work):
     run, _ = pkl_run
     cmd = f"megapkl diagnose correction-variance {PKL_RUN} --out results/pkl_c3.json"
-    megapkl(*doc(cmd), "--prompts", "2", "--responses", "4").ok()
+    out = megapkl(*doc(cmd), "--prompts", "2", "--responses", "4").ok().out
+    assert "rollouts: one SGLang server on this process's CPU" in out
     result = json.loads((work / "results" / "pkl_c3.json").read_text())
     assert result["current"] == str(run / "checkpoints" / "step_00000004")
     assert result["reference"] == "init" and (result["prompts"], result["responses"]) == (2, 4)
     assert list(result["V"]) == ["1", "2", "4", "8", "16", "32", "64", "full"]
     assert all(r["grad_norm"] > 0 for r in read_jsonl(run / "metrics.jsonl"))
     assert all(v >= 0.0 for v in result["V"].values()) and result["V"]["full"] > 0.0
+    # as configured: FP8 rollouts on SGLang, here a block-FP8 `megapkl serve` worker, which
+    # refuses anything but FP8 weights (diagnose once pushed them unquantized: HTTP 400)
+    cfg = (run / "config.yaml").read_text()
+    assert "engine: sglang" in cfg and "fp8: true" in cfg
 
 
 def test_eval_and_diagnose_whatever_the_job_shape(pkl_run, work):
@@ -434,13 +448,18 @@ def test_laptop_section(work):
     megapkl(*doc("megapkl demo"), short).ok()
     demo = work / "runs" / "cpu_demo_proximal_kl"
     assert len(read_jsonl(demo / "metrics.jsonl")) == 2
-    out = megapkl(*doc("megapkl eval runs/cpu_demo_proximal_kl --benchmarks next_mod10")).ok().out
+    out = megapkl(*doc("megapkl eval runs/cpu_demo_proximal_kl --benchmarks next_mod10 --out "
+                       "results/demo")).ok().out
     assert "(update 2)" in out and "next_mod10" in out
+    (demo / "eval-cli").mkdir()  # what an eval without --out would have written
     megapkl(*doc("megapkl plot runs/cpu_demo_proximal_kl --out plots/demo")).ok()
     assert (work / "plots" / "demo" / "overview.png").is_file()
     megapkl(*doc('megapkl demo eval.every=50 eval.at_start=true "eval.benchmarks=[{name: '
                  'next_mod10, greedy: true}]"'), short).ok()
     assert sorted(p.name for p in (demo / "eval").glob("*.json")) == ["step_000000.json"]
+    # as the doc says: the second demo deleted the run directory, the eval under --out is kept
+    assert not (demo / "eval-cli").exists()
+    assert (work / "results" / "demo" / "step_000002.json").is_file()
 
 
 def test_own_reward(work):

@@ -4,7 +4,7 @@ A tiny fp32 megatron-core GPTModel (local spec, RMSNorm, SwiGLU, RoPE, GQA 4 hea
 `llama=True`: Llama's tied embedding / output layer, shared across pipeline stages, and llama3
 RoPE scaling with every band in use, `megapkl.models.rope`),
 a fixed minibatch of 12 responses in 3 groups of 4 with very different prompt and response
-lengths, the single-process reference (megatron's own DotProductAttention, plain log_softmax,
+lengths, six of them multi-turn (observation tokens fed but not trained on, `OBSERVATIONS`), the single-process reference (megatron's own DotProductAttention, plain log_softmax,
 `policy_loss` on the whole minibatch, plain autograd) and the distributed run (our CP attention,
 megatron DDP + schedules + finalize_model_grads, `megapkl.parallel.megatron_loss`).
 """
@@ -26,6 +26,32 @@ LENGTHS = [(3, 2), (5, 30), (12, 17), (1, 45), (30, 4), (8, 1), (20, 25), (2, 9)
 # Data-parallel placement: interleaved so every prompt group is torn across DP ranks and
 # micro-batches (DP rank d takes ORDER[d * 12/dp : ...], micro-batches are contiguous in that).
 ORDER = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
+# Multi-turn responses: observation spans [start, end) in response positions (tokens the model is
+# fed but never trained on). uid 8's 18-token observation straddles CP=2 chunk boundaries; uid 3
+# has three; uid 10 one of a single token; uid 11 keeps 2 action tokens around one of 4.
+OBSERVATIONS = {1: [(6, 14)], 3: [(4, 12), (20, 23), (30, 41)], 6: [(1, 3)], 8: [(2, 20)],
+                10: [(10, 11)], 11: [(1, 5)]}
+
+
+def segments_of(uid, length):
+    """The Sample segments of response `uid` (None: single-turn)."""
+    from megapkl.rollout.sample import ACTION, OBSERVATION, Segment
+
+    spans = OBSERVATIONS.get(uid)
+    if not spans:
+        return None
+    out, at = [], 0
+    for a, b in spans:
+        out += [Segment(ACTION, a - at), Segment(OBSERVATION, b - a, source="tool")]
+        at = b
+    return tuple(out + [Segment(ACTION, length - at)])
+
+
+def action_mask(uid, length):
+    mask = torch.ones(length, dtype=torch.bool)
+    for a, b in OBSERVATIONS.get(uid, ()):
+        mask[a:b] = False
+    return mask
 
 
 def llama_spec():
@@ -188,20 +214,23 @@ def make_responses(model):
     rewards = torch.randn(len(raw), generator=g)
     out = []
     for uid, ((prompt, resp), (lp_all, _)) in enumerate(zip(raw, logps)):
-        t = resp.numel()
-        lp = lp_all.gather(1, resp[:, None])[:, 0]
+        keep = action_mask(uid, resp.numel())   # the behaviour records exist for actions only
+        acts, lp_all = resp[keep], lp_all[keep]
+        t = acts.numel()
+        lp = lp_all.gather(1, acts[:, None])[:, 0]
         noise = lambda s: s * torch.randn(t, generator=g)  # noqa: E731
         behav = lp + noise(0.3)
         topk = torch.stack([torch.randperm(VOCAB, generator=g)[:TOPK] for _ in range(t)])
         hit = torch.rand(t, generator=g) < 0.8          # the sampled token is usually in the top-K
-        topk[hit, 0] = resp[hit]
+        topk[hit, 0] = acts[hit]
         topk_behav = lp_all.gather(1, topk) + 0.3 * torch.randn(t, TOPK, generator=g)
         topk_behav[hit, 0] = behav[hit]                 # mu's top-K value at a_t is logp_behav
         group = uid // 4
         out.append(Sample(version=0, prompt_ids=prompt, response_ids=resp, logp_behav=behav,
                             advantage=float(rewards[uid] - rewards[group * 4:group * 4 + 4].mean()),
                             group_id=group, uid=uid, logp_prox=lp + noise(0.15), logp_init=lp + noise(0.2),
-                            topk_ids=topk, topk_logp=topk_behav))
+                            topk_ids=topk, topk_logp=topk_behav,
+                            segments=segments_of(uid, resp.numel())))
     return out
 
 
@@ -222,21 +251,26 @@ def reference_logprobs(model, raw):
 
 
 def reference_batch(model, responses, entropy=False):
-    """The whole minibatch as one `TokenBatch` from the reference model (differentiable)."""
+    """The whole minibatch as one `TokenBatch` from the reference model (differentiable): the
+    action tokens of every response (observation rows dropped here, independently of packing),
+    positions 1..A."""
     from megapkl.objectives import TokenBatch
 
     lps = reference_logprobs(model, [(r.prompt_ids, r.response_ids) for r in responses])
+    lps = [(lp[action_mask(r.uid, r.response_len)], h[action_mask(r.uid, r.response_len)])
+           for r, (lp, h) in zip(responses, lps)]
+    acts = {r.uid: r.response_ids[action_mask(r.uid, r.response_len)] for r in responses}
     cat = lambda f: torch.cat([f(r, lp, h) for r, (lp, h) in zip(responses, lps)])  # noqa: E731
-    lengths = torch.tensor([r.response_len for r in responses])
+    lengths = torch.tensor([acts[r.uid].numel() for r in responses])
     return TokenBatch(
-        logp=cat(lambda r, lp, h: lp.gather(1, r.response_ids[:, None])[:, 0]),
+        logp=cat(lambda r, lp, h: lp.gather(1, acts[r.uid][:, None])[:, 0]),
         logp_behav=cat(lambda r, lp, h: r.logp_behav), logp_prox=cat(lambda r, lp, h: r.logp_prox),
         logp_init=cat(lambda r, lp, h: r.logp_init),
-        advantages=cat(lambda r, lp, h: torch.full((r.response_len,), r.advantage)),
+        advantages=cat(lambda r, lp, h: torch.full((acts[r.uid].numel(),), r.advantage)),
         response_index=torch.repeat_interleave(torch.arange(len(responses)), lengths),
         group_index=torch.tensor([r.group_id for r in responses]),
-        positions=cat(lambda r, lp, h: torch.arange(1, r.response_len + 1)),
-        token_ids=cat(lambda r, lp, h: r.response_ids), topk_ids=cat(lambda r, lp, h: r.topk_ids),
+        positions=cat(lambda r, lp, h: torch.arange(1, acts[r.uid].numel() + 1)),
+        token_ids=cat(lambda r, lp, h: acts[r.uid]), topk_ids=cat(lambda r, lp, h: r.topk_ids),
         topk_logp_behav=cat(lambda r, lp, h: r.topk_logp),
         topk_logp=cat(lambda r, lp, h: lp.gather(1, r.topk_ids)),
         response_uid=torch.tensor([r.uid for r in responses]), step=3,

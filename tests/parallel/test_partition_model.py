@@ -149,13 +149,15 @@ def layout_worker(rank, world_size, layout, state, responses, cases, variants=()
 # ----------------------------------------------------------------------------- checks
 
 def test_layouts_tear_groups_apart_and_straddle_cp_chunks():
-    """What the layouts exercise: a prompt group split across DP ranks and micro-batches, and
-    responses whose action tokens sit on both CP ranks."""
+    """What the layouts exercise: a prompt group split across DP ranks and micro-batches,
+    responses whose action tokens sit on both CP ranks, and an observation the CP split cuts."""
     from megapkl.parallel import batching as B
 
     lengths = [p + t for p, t in H.LENGTHS]
-    rs = [Sample(version=0, prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.ones(t, dtype=torch.int64),
-                 logp_behav=torch.zeros(t), advantage=0.0, group_id=u // 4, uid=u)
+    rs = [Sample(version=0, prompt_ids=torch.zeros(p, dtype=torch.int64),
+                 response_ids=torch.arange(t, dtype=torch.int64),
+                 logp_behav=torch.zeros(int(H.action_mask(u, t).sum())), advantage=0.0,
+                 group_id=u // 4, uid=u, segments=H.segments_of(u, t))
           for u, (p, t) in enumerate(H.LENGTHS)]
     assert max(lengths) > 40
     place = {}
@@ -169,6 +171,12 @@ def test_layouts_tear_groups_apart_and_straddle_cp_chunks():
     both = [i for i in range(len(rs))
             if all(bool(B.shard_for_cp(mb, c, 2).loss_mask[i].any()) for c in range(2))]
     assert len(both) >= 6
+    # an observation whose tokens sit on both CP ranks (tokens are their response positions)
+    i, (p, t) = 8, H.LENGTHS[8]
+    a, b = H.OBSERVATIONS[8][0]
+    held = [set(B.shard_for_cp(mb, c, 2).tokens[i].tolist()) for c in range(2)]
+    assert all(h & set(range(a, b)) for h in held)
+    assert sum(len(H.OBSERVATIONS.get(u, ())) for u in range(len(rs))) >= 8
 
 
 @pytest.fixture(scope="module")

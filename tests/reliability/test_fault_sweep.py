@@ -88,3 +88,31 @@ def test_a_fault_in_the_asynchronous_producers_work_stops_every_rank_at_once(meg
     print(f"\nasync {site.target} (rank {site.rank}, call {site.call}): {result.outcome}, "
           f"{result.exit_s} s; {result.checkpoint}")
     assert result.outcome == "pass", f"{result.outcome}; the error: {result.error}"
+
+
+MULTI_TURN = ["data.synthetic=lookup_kv", "env.type=lookup", "env.max_turns=2",
+              "env.max_turn_tokens=1", "env.max_observation_tokens=2",
+              "rollout.max_response_len=4"]
+MULTI_TURN_SITES = [  # the turn loop, the driver, the environment's step (on a tool thread)
+    "megapkl.rollout.embedded_turns:_Rounds._turn_over",
+    "megapkl.rollout.turns:TurnDriver.react",
+    "megapkl.envs.lookup:LookupEnv.step",
+    "megapkl.rollout.turns:Trajectory.to_sample",
+]
+
+
+def test_a_fault_at_a_multi_turn_site_stops_every_rank_at_once(megatron_loaded, dist_run,
+                                                                tmp_path):
+    """Multi-turn rollouts (the lookup tool task): a fault in the turn loop, the turn driver,
+    the environment's step on a tool thread, or the trajectory's sample stops both ranks alike,
+    with the run's tool threads closed."""
+    sites, _ = sweep.trace(dist_run, tmp_path / "trace" / "run", *MULTI_TURN)
+    by = {s.target: s for s in sites}
+    missing = [t for t in MULTI_TURN_SITES if t not in by]
+    assert not missing, f"no longer called in update 2: {missing}"
+    for i, target in enumerate(MULTI_TURN_SITES):
+        result = sweep.try_site(dist_run, by[target], tmp_path / f"fault{i}", *MULTI_TURN)
+        print(f"\n{target} (rank {by[target].rank}, call {by[target].call}): {result.outcome}, "
+              f"{result.exit_s} s; {result.checkpoint}")
+        assert result.outcome == "pass", f"{target}: {result.outcome}; the error: {result.error}"
+        assert sweep.ERROR in result.error and result.exit_s < sweep.EXIT_WITHIN_S

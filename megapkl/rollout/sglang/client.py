@@ -168,10 +168,12 @@ class SGLangEngine(RolloutEngine):
     def keep_answers(self) -> None:
         self.answers.keep()
 
-    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams
-                 ) -> list[Sample]:
+    def generate(self, prompts: Sequence[PromptItem], n: int, sampling: SamplingParams,
+                 turns: Any = None) -> list[Sample]:
         self._check_alive()
         check_generate_args(prompts, n, sampling)
+        if turns is not None:
+            raise NotImplementedError("multi-turn rollouts on SGLang servers")
         if self.fleet.version is None:
             raise RolloutEngineError("SGLangEngine holds no weights yet: push them with "
                                      "update_weights(named_tensors, version) first")
