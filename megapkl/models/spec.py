@@ -107,10 +107,6 @@ class ModelSpec:
         return bool(self.num_experts)
 
     @property
-    def family_info(self) -> Family:
-        return FAMILY[self.family]
-
-    @property
     def hf_architecture(self) -> str:
         return FAMILY[self.family].architecture
 
