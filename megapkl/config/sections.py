@@ -45,13 +45,14 @@ def bf16_constraint_error(constraint: Optional[str]) -> Optional[str]:
 class ModelConfig:
     """Which policy model to train.
 
-    `name` selects a provider (e.g. 'qwen3-1.7b', 'tiny-qwen3', 'tiny-qwen3-moe'); the model room
-    owns the list, so the config accepts any non-empty name. `arch` is a free mapping of
-    architecture overrides handed to that provider unchanged; the few fields the config itself must
-    reason about (layers for pipeline splits, experts for expert parallelism) are typed fields.
+    `name` selects a provider (e.g. 'qwen3-1.7b', 'llama3.2-3b-instruct', 'tiny-qwen3'); the
+    model room owns the list, so the config accepts any non-empty name. `arch` is a free mapping
+    of architecture overrides handed to that provider unchanged; the few fields the config itself
+    must reason about (layers for pipeline splits, experts for expert parallelism) are typed.
     """
 
-    # configs/models/<name>.yaml (architecture); qwen3-{1.7b,4b,8b,32b,30b-a3b}, tiny-qwen3(-moe)
+    # configs/models/<name>.yaml (architecture); qwen3-{1.7b,4b,8b,32b,30b-a3b},
+    # llama3.2-3b-instruct, tiny-qwen3(-moe), tiny-llama
     name: str = "qwen3-1.7b"
     # Hugging Face checkpoint directory to start from (null: random init). Never downloaded: a Hub
     # id is refused by config validate, plan, submit and train; `hf download` it first.

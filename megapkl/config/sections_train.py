@@ -5,6 +5,7 @@ rules in `megapkl.config.run`. Defaults cite the paper appendix they come from.
 """
 from __future__ import annotations
 
+import datetime
 import math
 
 import re
@@ -44,6 +45,10 @@ class TrainConfig:
             err(f"must be <= train.lr ({self.lr}), got {self.min_lr}", "min_lr", "lr")
 
 
+# The Llama 3.x chat template's own date when the clock is unavailable to it.
+CHAT_DATE = "26 Jul 2024"
+
+
 @dataclass
 class DataConfig:
     """Training prompts: a JSONL/Parquet file, or a named synthetic task (CPU demo, tests)."""
@@ -56,6 +61,9 @@ class DataConfig:
     # within \boxed{}"), sis_agent (the SIS paper's search-agent instruction, Appendix C), raw
     # (the problem as is)
     prompt_template: str = "qwen_math"
+    # the date a chat template that stamps one renders (Llama 3.x's system header "Today Date:"),
+    # fixed so that prompts never depend on the day of the run (day month-abbreviation year)
+    chat_date: str = CHAT_DATE
     shuffle: bool = True  # a new order each pass over the data
     seed: Optional[int] = field(default=None, metadata=rng(0))  # unset: the run's seed
     max_prompts: Optional[int] = field(default=None, metadata=rng(1))  # use only the first n
@@ -69,6 +77,11 @@ class DataConfig:
                 "synthetic", "train_path")
         if self.train_path is not None and not self.train_path.endswith(DATA_SUFFIXES):
             err(f"expected a {' / '.join(DATA_SUFFIXES)} file, got '{self.train_path}'", "train_path")
+        try:
+            datetime.datetime.strptime(self.chat_date, "%d %b %Y")
+        except ValueError:
+            err(f"must be a date written like '26 Jul 2024' (what the Llama 3.x template's "
+                f"strftime('%d %b %Y') writes), got {self.chat_date!r}", "chat_date")
 
 
 @dataclass

@@ -125,7 +125,8 @@ def _load_one(b: Any, eval_cfg: Any, data_cfg: Any, tokenizer: Any) -> Benchmark
         raise EvalError(f"eval benchmark '{b.name}' needs the model's tokenizer (model.tokenizer)")
     from megapkl.rollout.data import PromptDataset
 
-    ds = PromptDataset.from_file(str(path), tokenizer, data_cfg.prompt_template)
+    ds = PromptDataset.from_file(str(path), tokenizer, data_cfg.prompt_template,
+                                 chat_date=data_cfg.chat_date)
     ids = _row_ids(path)
     return Benchmark(b.name, list(ds.items), [ids.get(it.metadata["line"], f"line{it.metadata['line']}")
                                               for it in ds.items], b.greedy, n, "math")

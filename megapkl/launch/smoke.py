@@ -1,16 +1,17 @@
 """`megapkl smoke CONFIG [KEY=VALUE ...]`: a run config followed end to end on this machine, on a
 tiny twin of its model, before it is submitted.
 
-The twin is of the same family (dense or MoE) as the config's model, written as a local Hugging
-Face checkpoint with a tokenizer (megapkl.models.tiny). The objective, protocol, staleness, async
-batches, reference, FP8 and weight-sync choices are the config's own; what scales the run to one
-CPU process is replaced: model, parallel layout, batch and lengths, the SGLang fleet (`megapkl
-serve` workers stand in for SGLang, one process each), Slurm keys. A few rows of the config's
-training and evaluation data are taken when the files are here, synthetic rows otherwise. Then
-the very commands a user runs: `megapkl train` (a handful of updates), `megapkl eval` of the final
-checkpoint and `megapkl plot`, each in its own process with its log in the smoke directory. The
-report, one screen, says what was kept, what was replaced, how each stage ended, and what cannot
-be checked here. `tools/smoke_all.py` smokes every run config of configs/experiments/.
+The twin is of the same family (Qwen3, Qwen3-MoE, Llama) as the config's model, written as a
+local Hugging Face checkpoint with a tokenizer (megapkl.models.tiny). The objective, protocol,
+staleness, async batches, reference, FP8 and weight-sync choices are the config's own; what
+scales the run to one CPU process is replaced: model, parallel layout, batch and lengths, the
+SGLang fleet (`megapkl serve` workers stand in for SGLang, one process each), Slurm keys. A few
+rows of the config's training and evaluation data are taken when the files are here, synthetic
+rows otherwise. Then the very commands a user runs: `megapkl train` (a handful of updates),
+`megapkl eval` of the final checkpoint and `megapkl plot`, each in its own process with its log
+in the smoke directory. The report, one screen, says what was kept, what was replaced, how each
+stage ended, and what cannot be checked here. `tools/smoke_all.py` smokes every run config of
+configs/experiments/.
 """
 from __future__ import annotations
 
@@ -83,15 +84,11 @@ def kept(cfg) -> list[str]:
             f"routing replay {'on' if cfg.model.routing_replay else 'off'}"]
 
 
-def model_overrides(cfg, twin: Path, moe: bool) -> tuple[list[str], str]:
-    from megapkl.models.spec import spec_from_model_config
-    from megapkl.models.tiny import twin_name
-
-    spec = spec_from_model_config(cfg.model)
-    experts = f", {spec.num_experts} experts" if moe else ""
+def model_overrides(cfg, twin: Path, spec) -> tuple[list[str], str]:
+    experts = f", {spec.num_experts} experts" if spec.is_moe else ""
     said = (f"model {cfg.model.name} ({spec.num_layers} layers{experts}, {cfg.model.dtype}) -> "
-            f"{twin_name(moe)}, random, fp32, at {twin}")
-    return [f"model.name={twin_name(moe)}", f"model.hf_checkpoint={twin}", "model.tokenizer=null",
+            f"{spec.tiny_twin}, random, fp32, at {twin}")
+    return [f"model.name={spec.tiny_twin}", f"model.hf_checkpoint={twin}", "model.tokenizer=null",
             "model.num_layers=null", "model.hidden_size=null", "model.num_experts=null",
             "model.arch={}", "model.dtype=fp32", "model.recompute=none"], said
 
@@ -112,10 +109,9 @@ def serve_command(cfg, twin: Path) -> list[str]:
     trainer pushing block-FP8 weights before any generation: the worker starts from the twin's
     spec in FP8 instead."""
     from megapkl.models.spec import spec_from_model_config
-    from megapkl.models.tiny import twin_name
 
-    moe = spec_from_model_config(cfg.model).is_moe
-    source = ["--model-config", twin_name(moe), "--quantization", "fp8", "--tokenizer", str(twin)] \
+    name = spec_from_model_config(cfg.model).tiny_twin
+    source = ["--model-config", name, "--quantization", "fp8", "--tokenizer", str(twin)] \
         if cfg.rollout.fp8 else ["--hf-checkpoint", "{model_path}"]
     cmd = ["{python}", "-m", "megapkl.serve.serve", *source, "--host", "{host}", "--port", "{port}"]
     return cmd + (["--enable-return-routed-experts"] if cfg.model.routing_replay else [])
@@ -198,11 +194,11 @@ def make_plan(config: str, overrides: Sequence[str] = (), out_dir: Optional[str]
     if steps < 2:
         raise ValueError(f"smoke: --steps must be at least 2, got {steps}")
     cfg = load_config(config, list(overrides))
-    moe = spec_from_model_config(cfg.model).is_moe
+    spec = spec_from_model_config(cfg.model)
     root = Path(out_dir or Path("runs") / "smoke" / cfg.name).absolute()
-    twin, run_dir = write_twin(root / "model", moe), root / "run"
+    twin, run_dir = write_twin(root / "model", spec.tiny_twin), root / "run"
     shutil.rmtree(root / "plots", ignore_errors=True)  # a former smoke's plots prove nothing
-    model, said_model = model_overrides(cfg, twin, moe)
+    model, said_model = model_overrides(cfg, twin, spec)
     layout, said_layout = layout_overrides(cfg)
     rollout, said_rollout = rollout_overrides(cfg, twin)
     scale, said_scale = scale_overrides(cfg, steps)

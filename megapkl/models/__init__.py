@@ -1,6 +1,8 @@
-"""Qwen3 dense / MoE policies on megatron-core: specs, providers, HF I/O, optimizer, R3, checkpoints
+"""Policies on megatron-core (Qwen3 dense / MoE, Llama 3.x): specs, providers, HF I/O, optimizer,
+R3, checkpoints
 
-    spec.py        architectures as data (configs/models/*.yaml), layout checks      (no torch)
+    spec.py        families and architectures as data (configs/models/*.yaml), layouts (no torch)
+    rope.py        RoPE frequencies as transformers computes them (default, llama3)
     provider.py    TransformerConfig + layer specs (TE on GPU, local on CPU) -> GPTModel
     hf_mapping.py  megatron <-> Hugging Face names, shards and fused layouts (pure)
     hf.py          load a HF checkpoint into the sharded model; streamed HF export

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 / Qwen3-MoE checkpoints into and out of the sharded megatron model.
+"""Hugging Face checkpoints (Qwen3, Qwen3-MoE, Llama 3.x) into and out of the sharded megatron model.
 
 Import (`load_hf_weights`): every rank reads, with safetensors' lazy slices, only the rows or
 columns its own TP/EP shard needs, so no rank ever holds a full checkpoint. The checkpoint is
@@ -104,6 +104,8 @@ class HFCheckpoint:
 # Spec fields a config.json must agree on (shapes alone do not show rope/eps/routing choices).
 _CONFIG_KEYS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups", "head_dim", "ffn_hidden_size", "qk_layernorm", "rope_theta",
+                "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position_embeddings",
                 "rms_norm_eps", "tie_word_embeddings", "num_experts", "moe_router_topk",
                 "moe_ffn_hidden_size", "moe_norm_topk_prob")
 
@@ -416,10 +418,33 @@ def bucketed(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 
         yield bucket
 
 
+# What an export carries over from the checkpoint the run started from: its special token ids
+# (LlamaConfig would otherwise default to BOS 1 / EOS 2), its generation config (Llama-3.2-Instruct
+# lists its three stop ids there) and its tokenizer, so that the export is served as it was.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+def _carried(source: Optional[str | os.PathLike]) -> tuple[dict, list[Path]]:
+    """(token id keys of the source's config.json, the source's files to copy)."""
+    if not source or not Path(source).is_dir():
+        return {}, []
+    config = Path(source) / "config.json"
+    ids = json.loads(config.read_text()) if config.is_file() else {}
+    return ({k: ids[k] for k in TOKEN_ID_KEYS if ids.get(k) is not None},
+            [Path(source) / f for f in CARRIED_FILES if (Path(source) / f).is_file()])
+
+
 def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, spec: Optional[ModelSpec] = None,
                        groups: Any = None, dtype: Optional[torch.dtype] = None,
-                       shard_bytes: int = 2 << 30, writer_rank: int = 0) -> None:
-    """Export to a HF safetensors directory (collective; global rank `writer_rank` writes)."""
+                       shard_bytes: int = 2 << 30, writer_rank: int = 0,
+                       source: Optional[str | os.PathLike] = None) -> None:
+    """Export to a HF safetensors directory (collective; global rank `writer_rank` writes).
+    `source`: the Hugging Face checkpoint the run started from, whose token ids, generation
+    config and tokenizer files the export carries."""
+    import shutil
+
     from safetensors.torch import save_file
 
     chunks = model_chunks(model)
@@ -443,6 +468,10 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, spec: Optional[Mo
     if not writes:
         return
     torch_dtype = str(dtype or next(iter(chunks[0].parameters())).dtype).replace("torch.", "")
-    (out / "config.json").write_text(json.dumps(hf_config_dict(spec, torch_dtype), indent=2))
+    ids, files = _carried(source)
+    (out / "config.json").write_text(json.dumps(hf_config_dict(spec, torch_dtype, **ids),
+                                                indent=2))
+    for file in files:
+        shutil.copyfile(file, out / file.name)
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                              indent=2))

@@ -1,4 +1,7 @@
-"""Names and layouts: megatron-core GPTModel parameters <-> Hugging Face Qwen3 tensors.
+"""Names and layouts: megatron-core GPTModel parameters <-> Hugging Face tensors.
+
+Qwen3, Qwen3-MoE and Llama share the Hugging Face names below (`model.layers.N.self_attn.q_proj`,
+...); Llama has no q_norm / k_norm (`spec.qk_layernorm`), and a tied model has no `lm_head`.
 
 Pure functions on names and tensors (no torch.distributed): which HF tensors one megatron
 parameter is made of, which slice of them a TP rank holds, and how megatron fuses them.
@@ -81,7 +84,7 @@ def classify(name: str) -> ParamKind:
             layer = int(groups["layer"]) if groups.get("layer") is not None else None
             expert = int(groups["expert"]) if groups.get("expert") is not None else None
             return ParamKind(kind, layer, expert)
-    raise KeyError(f"megatron parameter {name!r} has no Hugging Face Qwen3 counterpart")
+    raise KeyError(f"megatron parameter {name!r} has no Hugging Face counterpart")
 
 
 # ------------------------------------------------------------------ HF names and shapes

@@ -1,4 +1,4 @@
-"""Build a megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE `ModelSpec`.
+"""Build a megatron-core `GPTModel` for a `ModelSpec` (Qwen3, Qwen3-MoE, Llama 3.x).
 
 Which kernels run is one decision, `kernel_plan(cuda=..., te=..., ...)` (pure, tested on CPU):
 - CUDA + Transformer Engine: TE's layer spec (fused norm+linear, flash/fused attention, TE's own
@@ -10,8 +10,11 @@ Which kernels run is one decision, `kernel_plan(cuda=..., te=..., ...)` (pure, t
 - CPU: the local spec with every fusion off, megatron's attention at CP=1 and the project's
   all-gather CP attention (`megapkl.parallel.cp_attention`) at CP>1.
 The local spec's norms are replaced by `QwenRMSNorm` below: megatron's torch norm refuses
-sequence parallelism, and ours also computes exactly like the Hugging Face Qwen3 RMSNorm (fp32
-statistics, cast back before the weight).
+sequence parallelism, and ours also computes exactly like the Hugging Face Qwen3 and Llama
+RMSNorm (fp32 statistics, cast back before the weight). What differs between the families is
+data of the spec (`spec.FAMILY`): QK norm, tied embeddings (megatron shares them across the
+first and last pipeline stages), and the RoPE frequencies, which `megapkl.models.rope` sets as
+transformers computes them.
 
 Precision: `dtype="bf16"` builds bf16 parameters; the optimizer keeps fp32 main weights and the
 DDP buffers fp32 gradients (`megapkl.models.optimizer`); log-probs are computed in fp32 from the
@@ -454,6 +457,8 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
     vpp = opts.virtual_pipeline
     first = sizes.pp_rank == 0 and (vpp is None or is_vp_first_stage(vp_stage, vpp))
     last = sizes.pp_rank == sizes.pp - 1 and (vpp is None or is_vp_last_stage(vp_stage, vpp))
+    from megapkl.models.rope import megatron_rope_args, set_rotary
+
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(spec, config, plan.use_te, vp_stage, sizes.pp_rank,
@@ -464,12 +469,11 @@ def build_model(spec: ModelSpec, opts: ModelOptions = ModelOptions(), *,
         post_process=last,
         parallel_output=opts.parallel_output,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=int(spec.rope_theta),
+        **megatron_rope_args(spec),
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    set_rotary(model, spec)  # every llama3 parameter, not only the ones megatron takes
     model.megapkl_spec = spec  # the HF mapping and exporters read it back from the model
     return model
 

@@ -19,6 +19,10 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
+# CHAT_DATE: the date a chat template that stamps one renders (Llama 3.x: "Today Date: ..." in
+# the system header, from the clock unless `date_string` is given), so that a run's prompts never
+# depend on the day it runs (data.chat_date).
+from megapkl.config.sections_train import CHAT_DATE
 from megapkl.errors import MegapklError
 from megapkl.rollout.sample import PromptItem
 
@@ -178,14 +182,15 @@ def chatml(messages: Sequence[dict[str, str]]) -> str:
     return body + "<|im_start|>assistant\n"
 
 
-def render_prompt(problem: str, template: str, tokenizer: Any = None) -> tuple[str, bool]:
+def render_prompt(problem: str, template: str, tokenizer: Any = None,
+                  chat_date: str = CHAT_DATE) -> tuple[str, bool]:
     """(prompt text, whether it already holds the special tokens) for a problem and template.
 
     qwen_math: Qwen-Math chat, system "Please reason step by step, and put your final answer
     within \\boxed{}." and the problem as the user turn, through the tokenizer's chat template when
-    it has one, else as ChatML text. sis_agent: the SIS paper's agent instruction with the
-    question as the one user turn (no system turn), as Search-R1 renders it. raw: the problem
-    unchanged."""
+    it has one (a template that stamps a date gets `chat_date`), else as ChatML text. sis_agent:
+    the SIS paper's agent instruction with the question as the one user turn (no system turn), as
+    Search-R1 renders it. raw: the problem unchanged."""
     if template == "raw":
         return problem, False
     if template in ("qwen_math", "sis_agent"):
@@ -194,7 +199,8 @@ def render_prompt(problem: str, template: str, tokenizer: Any = None) -> tuple[s
             [{"role": "user", "content": SIS_AGENT.format(question=problem)}]
         if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
             return tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True), True
+                                                 add_generation_prompt=True,
+                                                 date_string=chat_date), True
         return chatml(messages), True
     raise ValueError(f"unknown prompt template '{template}'; known: {list(TEMPLATES)}")
 
@@ -204,6 +210,24 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except TypeError:  # tokenizers whose encode takes only the text
         return list(tokenizer.encode(text))
+
+
+def prompt_ids(tokenizer: Any, text: str, has_specials: bool) -> list[int]:
+    """Token ids of a rendered prompt, BOS exactly once when the tokenizer has one it puts
+    before text (Llama: the chat template writes it, plain text gets it from the tokenizer);
+    a second one is an error (DataError)."""
+    from megapkl.rollout.tokens import adds_bos
+
+    ids = encode(tokenizer, text, add_special_tokens=not has_specials)
+    bos = adds_bos(tokenizer)
+    if bos is None:
+        return ids
+    if not ids or ids[0] != bos:  # a chat template that leaves BOS to the tokenizer
+        ids = [bos] + ids
+    if ids.count(bos) != 1:
+        raise DataError(f"the prompt holds BOS ({bos}) {ids.count(bos)} times, once is right: "
+                        "its text contains the BOS token")
+    return ids
 
 
 # ---- datasets ----------------------------------------------------------------------------------
@@ -218,11 +242,12 @@ class PromptDataset:
 
     def __init__(self, records: Sequence[PromptRecord], tokenizer: Any, template: str = "qwen_math",
                  max_prompt_len: Optional[int] = None, max_prompts: Optional[int] = None,
-                 skipped: Sequence[str] = ()):
+                 skipped: Sequence[str] = (), chat_date: str = CHAT_DATE):
         if tokenizer is None:
             raise ValueError("PromptDataset needs a tokenizer (HF tokenizer or CharTokenizer)")
         render_prompt("x", template, tokenizer)  # unknown template: fail before any work
         self.template = template
+        self.chat_date = chat_date
         self.tokenizer = tokenizer
         self.skipped = list(skipped)
         self.num_too_long = 0
@@ -241,8 +266,12 @@ class PromptDataset:
                             f"malformed, {self.num_too_long} longer than max_prompt_len)")
 
     def _make_item(self, rec: PromptRecord) -> PromptItem:
-        text, has_specials = render_prompt(rec.prompt, self.template, self.tokenizer)
-        ids = encode(self.tokenizer, text, add_special_tokens=not has_specials)
+        text, has_specials = render_prompt(rec.prompt, self.template, self.tokenizer,
+                                           self.chat_date)
+        try:
+            ids = prompt_ids(self.tokenizer, text, has_specials)
+        except DataError as exc:
+            raise DataError(f"{rec.source}:{rec.line}: {exc}") from None
         meta = {"source": rec.source, "line": rec.line, "problem": rec.prompt, "fields": rec.extra}
         return PromptItem(ids, text=text, answer=rec.answer, metadata=meta)
 
@@ -286,7 +315,8 @@ def build_prompt_dataset(data_cfg: Any, tokenizer: Any = None, max_prompt_len: O
                                             max_prompts=data_cfg.max_prompts)
     return PromptDataset.from_file(data_cfg.train_path, tokenizer, data_cfg.prompt_template,
                                    data_cfg.prompt_key, data_cfg.answer_key, on_error,
-                                   max_prompt_len=max_prompt_len, max_prompts=data_cfg.max_prompts)
+                                   max_prompt_len=max_prompt_len, max_prompts=data_cfg.max_prompts,
+                                   chat_date=data_cfg.chat_date)
 
 
 # ---- iteration ---------------------------------------------------------------------------------

@@ -34,6 +34,17 @@ def load_tokenizer(model: Any, data: Any, *, required: bool = True) -> Any:
     return AutoTokenizer.from_pretrained(source)
 
 
+def run_token_ids(model: Any, spec: Any, tokenizer: Any) -> dict:
+    """The stop, pad and BOS ids of the run (megapkl.rollout.tokens) as config.json keys, for
+    the engines' model config; {} without a Hugging Face tokenizer (a synthetic task's own)."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return {}
+    from megapkl.rollout.tokens import special_ids
+
+    return special_ids(tokenizer, spec.vocab_size,
+                       [model.hf_checkpoint, model.tokenizer]).hf_config()
+
+
 def build_tokenizer_and_data(model: Any, data: Any, max_prompt_len: Optional[int]):
     """(tokenizer, prompt dataset, synthetic task or None) for the data section."""
     from megapkl.rollout.data import build_prompt_dataset
@@ -116,12 +127,14 @@ def build_run_engine(rollout: Any, model: Any, spec: Any, tokenizer: Any, *, wor
                      rank: Optional[int] = None) -> RolloutEngine:
     """The run's rollout engine (the rollout section's) for the trainer model `spec` (the model
     section's), on the device and in the dtype the model dtype calls for
-    (`megapkl.models.provider.engine_placement`); empty: weights come through update_weights."""
+    (`megapkl.models.provider.engine_placement`); empty: weights come through update_weights.
+    Its model config carries the run's stop, pad and BOS ids (`run_token_ids`)."""
     from megapkl.models.provider import engine_placement
     from megapkl.models.spec import hf_config_dict
 
     device, dtype = engine_placement(model.dtype)
-    hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1])
+    hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1],
+                        **run_token_ids(model, spec, tokenizer))
     ctx = engine_context(model, hf, work_dir=work_dir, seed=seed, layout=layout, device=device,
                          dtype=dtype, replica=replica, rank=rank, stopping=stopping)
     return build_engine(rollout, ctx, tokenizer)

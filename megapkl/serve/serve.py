@@ -641,9 +641,15 @@ def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
         from megapkl.models.spec import hf_config_dict, load_spec
 
         spec = load_spec(args.model_config)
+        ids = {}
+        if tokenizer is not None:  # stop at every stop id the tokenizer's directory declares
+            from megapkl.rollout.tokens import special_ids
+
+            ids = special_ids(tokenizer, spec.vocab_size, [args.tokenizer]).hf_config()
         torch.manual_seed(args.seed)  # same seed, same random weights on every worker
-        engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype), device=args.device,
-                                     dtype=dtype, seed=args.seed, tokenizer=tokenizer, fp8=fp8)
+        engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype, **ids),
+                                     device=args.device, dtype=dtype, seed=args.seed,
+                                     tokenizer=tokenizer, fp8=fp8)
         engine.update_weights(list(engine.model.state_dict().items()), version=0)
         model_path = args.model_config
     if args.enable_return_routed_experts and not engine.is_moe:

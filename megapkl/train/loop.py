@@ -358,7 +358,8 @@ class Trainer:
             with self.timers("checkpoint"):  # collective; rank 0 writes last: agreed after it
                 agreed(lambda: save_hf_checkpoint(
                     self.learner.model, Path(self.cfg.checkpoint.dir) / "hf",
-                    spec=self.learner.spec, groups=self.groups),
+                    spec=self.learner.spec, groups=self.groups,
+                    source=self.cfg.model.hf_checkpoint),
                     what="exporting the Hugging Face checkpoint")
         return stop is not None
 

@@ -7,7 +7,7 @@ The server is `megapkl serve`'s own state (what its weight routes call, HTTP asi
 model directory the launcher hands SGLang for that config (`served_model_dir`: under rollout.fp8
 its config.json carries the block-FP8 quantization_config, and the server then takes FP8 weights
 only, as SGLang's FP8 parameters do). The model is the config's family's tiny twin (configs/models/
-tiny-qwen3*.yaml): every other key is the config's own. Diagnose once pushed the learner's weights
+tiny-qwen3*.yaml, tiny-llama.yaml): every other key is the config's own. Diagnose once pushed the learner's weights
 unquantized, which every FP8 server refused (HTTP 400, 'expects float8_e4m3fn')."""
 from __future__ import annotations
 
@@ -25,24 +25,28 @@ REPO = Path(__file__).resolve().parents[2]
 RUNS = sorted(p for p in (REPO / "configs" / "experiments").rglob("*.yaml")
               if not p.name.startswith("_"))
 MACHINES = {"cpu": (0, None), "8xh200": (8, 141.0)}
-LEARNER_FITS = ("qwen3-1.7b", "qwen3-4b")  # a Learner with its optimizer on one 141 GB GPU
+# a Learner with its optimizer on one 141 GB GPU
+LEARNER_FITS = ("qwen3-1.7b", "qwen3-4b", "llama3.2-3b-instruct")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """moe -> (checkpoint directory, its weights as the learner exports them: HF names)."""
+    """family -> (checkpoint directory, its weights as the learner exports them: HF names)."""
     sys.path.insert(0, str(REPO / "tests" / "models"))
     try:
-        from tiny_models import make_checkpoint
+        from tiny_models import make_checkpoint, make_llama_checkpoint
     finally:
         sys.path.remove(str(REPO / "tests" / "models"))
     from megapkl.rollout.embedded import iter_safetensors
 
     out = {}
-    for moe in (False, True):
-        path = tmp_path_factory.mktemp("moe" if moe else "dense")
-        make_checkpoint(str(path), moe=moe, seed=0, eos_token_id=2)
-        out[moe] = path, list(iter_safetensors(path))
+    for family in ("qwen3", "qwen3_moe", "llama"):
+        path = tmp_path_factory.mktemp(family)
+        if family == "llama":
+            make_llama_checkpoint(str(path))
+        else:
+            make_checkpoint(str(path), moe=family == "qwen3_moe", seed=0, eos_token_id=2)
+        out[family] = path, list(iter_safetensors(path))
     return out
 
 
@@ -83,7 +87,9 @@ def test_diagnose_places_and_pushes_every_paper_run(path, tiny, tmp_path, monkey
     else:
         with pytest.raises(EvalError, match=f"diagnose: {name} needs about"):
             placed(path, "8xh200", monkeypatch)
-    checkpoint, weights = tiny[bool(cfg.model.num_experts)]
+    from megapkl.models.spec import load_spec
+
+    checkpoint, weights = tiny[load_spec(name).family]
     server = Server(cfg, checkpoint, tmp_path)
     assert server.fp8 == cfg.rollout.fp8  # the server runs what the config says
     eval_cli.push_weights(server, cfg, iter(weights), 1)  # diagnose's push (and eval's)
@@ -94,5 +100,5 @@ def test_the_walk_covers_both_weight_formats():
     from megapkl.config import load_config
 
     fp8 = sum(load_config(p).rollout.fp8 for p in RUNS)
-    assert len(RUNS) == 83 and 0 < fp8 < len(RUNS)
+    assert len(RUNS) == 94 and 0 < fp8 < len(RUNS)
 

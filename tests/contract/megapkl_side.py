@@ -45,6 +45,8 @@ VARIANTS: dict[str, list[str]] = {
     # 4 data-parallel replicas (expert parallel 4) on GPUs 0-3, one server each on GPUs 4-7
     "moe_fp8_context": ["model.name=tiny-qwen3-moe", "parallel.expert=4",
                         "rollout.sglang.context_length=256", "rollout.sglang.colocate=false"],
+    # Llama (tied embeddings, llama3 RoPE): 8 replicas, one FP8 server each, colocated
+    "llama_fp8_colocated": ["model.name=tiny-llama"],
 }
 
 
@@ -94,9 +96,10 @@ def leader_env(cfg: Any, rank: int) -> dict[str, str]:
 
 def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
              extra: tuple[str, ...] = (), tokenizer_eos: Any = TOKENIZER_EOS,
-             replica: int = 0, leader_rank: int = 0) -> Launch:
+             replica: int = 0, leader_rank: int = 0, token_ids: Any = None) -> Launch:
     """What `launch_fleet` starts for variant `name` in data-parallel replica `replica`, whose
-    leader is trainer rank `leader_rank` (nothing is started)."""
+    leader is trainer rank `leader_rank` (nothing is started). `token_ids`: the run's special
+    ids as the trainer puts them into the model's HF config (`rollout.factory.run_token_ids`)."""
     from types import SimpleNamespace
 
     from megapkl.models.spec import hf_config_dict, load_spec
@@ -107,7 +110,7 @@ def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
     for key, value in leader_env(cfg, leader_rank).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the job sees its node's GPUs
-    hf_config = {**hf_config_dict(load_spec(cfg.model.name), dtype="bfloat16")}
+    hf_config = hf_config_dict(load_spec(cfg.model.name), dtype="bfloat16", **(token_ids or {}))
     started: list[ServerProcess] = []
 
     def start(self: ServerProcess) -> ServerProcess:

@@ -10,6 +10,9 @@ process never imports sglang. SGLang code executed, by function:
 - `memory_saver`: `TorchMemorySaverAdapter.create(enable=<resolved enable_memory_saver>)`.
 - `quant_config`: `ModelConfig.from_server_args` on the served model directory and the loader's
   `get_quant_config` (what `DefaultModelLoader` calls when it builds the model).
+- `llama_rope`: the served directory's config as `ModelConfig.from_server_args` loads it, its
+  RoPE settings taken as `LlamaDecoderLayer.__init__` takes them (models/llama.py), and the
+  rotary embedding SGLang's `get_rope` builds from them (its frequencies and cos/sin cache).
 - `disk_loader`: the default-filling of `TokenizerManager.update_weights_from_disk` is one line
   (`load_format` None -> the server's own); this applies it and then runs `get_model_loader` and
   the `isinstance(loader, DefaultModelLoader)` check of `WeightUpdater.update_weights_from_disk`.
@@ -111,6 +114,31 @@ def quant_config(argv: list[str]) -> dict[str, Any]:
                weight_block_size=getattr(qc, "weight_block_size", None),
                activation_scheme=getattr(qc, "activation_scheme", None))
     return out
+
+
+def llama_rope(argv: list[str], positions: int) -> dict[str, Any]:
+    """SGLang's rotary embedding of the served Llama: (class, inv_freq, cos_sin_cache rows)."""
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+    config = ModelConfig.from_server_args(server_args(argv)).hf_config
+    # LlamaDecoderLayer.__init__: rope_parameters when the config has them, else the 4.x keys
+    rope = getattr(config, "rope_parameters", None)
+    theta = rope.get("rope_theta", 10000) if rope is not None else getattr(config, "rope_theta")
+    scaling = rope if rope is not None else getattr(config, "rope_scaling", None)
+    head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    # the kernel choice at construction imports GPU kernels unless the platform is a CPU one;
+    # the frequencies and the cache do not depend on it
+    was, rope_base._is_cpu = rope_base._is_cpu, True
+    try:
+        emb = get_rope(head_dim, rotary_dim=head_dim, max_position=positions, base=theta,
+                       rope_scaling=scaling, is_neox_style=getattr(config, "rope_is_neox_style",
+                                                                   True))
+    finally:
+        rope_base._is_cpu = was
+    return {"cls": type(emb).__name__, "inv_freq": emb._compute_inv_freq(emb.base).tolist(),
+            "cos_sin_cache": emb.cos_sin_cache.float().tolist()}
 
 
 def disk_loader(argv: list[str], body: dict) -> dict[str, Any]:

@@ -103,7 +103,8 @@ def _check_sequence(log: list[dict], middle: str) -> None:
     assert set(classes[start + 1:end]) == {middle}, classes
 
 
-@pytest.mark.parametrize("name", ["bf16_separate_gpus", "default_fp8_colocated"])
+@pytest.mark.parametrize("name", ["bf16_separate_gpus", "default_fp8_colocated",
+                                  "llama_fp8_colocated"])
 def test_tensor_sync_is_loaded_bit_for_bit(sglang, name, tmp_path, monkeypatch):
     run = launched(name, tmp_path, monkeypatch)
     error, sent, log, received = _push(sglang, run, "tensor", tmp_path)

@@ -33,7 +33,7 @@ def placed_config(path: Path, machine: str, learner: bool = False):
 
 
 def test_the_paper_configs_are_all_here():
-    assert len(RUNS) == 83, [p.name for p in RUNS]
+    assert len(RUNS) == 94, [p.name for p in RUNS]
 
 
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -53,10 +53,10 @@ def test_eval_and_diagnose_planning_of_every_paper_run(path):
             placed_config(path, "1xh100")
     else:
         placed_config(path, "1xh100")
-    # diagnose builds a Learner (gradients, optimizer, reference snapshot): 1.7B and 4B only
+    # diagnose builds a Learner (gradients, optimizer, reference snapshot): 1.7B, 3B and 4B only
     rows = one_gpu_bytes(cfg, learner=True, dedicated=True)
     assert "gradients, optimizer, reference" in rows
-    if cfg.model.name in ("qwen3-1.7b", "qwen3-4b"):
+    if cfg.model.name in ("qwen3-1.7b", "qwen3-4b", "llama3.2-3b-instruct"):
         placed_config(path, "8xh200", learner=True)
     else:
         with pytest.raises(EvalError, match="what works instead: a config of a smaller model"):

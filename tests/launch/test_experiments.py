@@ -129,6 +129,33 @@ def test_paper_settings_spot_checks() -> None:
     assert c.objective.kappa == 0.85
 
 
+# The papers' Llama-3.2-3B-Instruct runs repeat a Qwen3 block's recipe: TETPO App. B ("the same
+# recipe" as Qwen3-Base-1.7B), SIS App. D.6 ("all hyperparameters identical to the Qwen3-8B-Base
+# math setting"). Only the model, its layout and its SGLang fleet may differ.
+LLAMA_TWINS = [(f"tetpo/llama3p2_3b_{m}.yaml", f"tetpo/qwen3_1p7b_{m}.yaml")
+               for m in ("tetpo", "grpo", "gspo", "gepo", "m2po")] + \
+    [(f"sis_math/llama3p2_3b_{m}{s}.yaml", f"sis_math/qwen3_8b_{m}{s}.yaml")
+     for m in ("grpo", "dapo", "gspo") for s in ("", "_sis")]
+
+
+@pytest.mark.parametrize("llama, qwen", LLAMA_TWINS, ids=[a for a, _ in LLAMA_TWINS])
+def test_llama_runs_carry_the_qwen_blocks_values(llama: str, qwen: str) -> None:
+    import dataclasses
+
+    a, b = load_config(ROOT / llama), load_config(ROOT / qwen)
+    assert a.model.name == "llama3.2-3b-instruct" and a.model.hf_checkpoint == \
+        "meta-llama/Llama-3.2-3B-Instruct"
+    for section in ("objective", "reference", "advantage", "reward", "train", "eval", "data"):
+        assert getattr(a, section) == getattr(b, section), section
+    no_dir = [dataclasses.replace(c.checkpoint, dir=None) for c in (a, b)]
+    assert no_dir[0] == no_dir[1]
+    ra, rb = (dataclasses.replace(c.rollout, sglang=None) for c in (a, b))
+    assert ra == rb
+    assert (a.slurm.nodes, a.slurm.gpus_per_node) == (b.slurm.nodes, b.slurm.gpus_per_node)
+    assert a.name == b.name.replace("qwen3_1p7b", "llama3p2_3b").replace("t4_qwen3_8b",
+                                                                         "t9_llama3p2_3b")
+
+
 def _sweep_lines(path: Path) -> list[str]:
     """`# sweep: KEY=V1,V2 ...` header lines: the grid a run file is swept over (`megapkl sweep
     FILE --grid KEY=V1,V2`), for figures whose runs differ in one value."""

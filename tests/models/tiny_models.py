@@ -1,8 +1,10 @@
-"""Tiny random Hugging Face Qwen3 / Qwen3-MoE checkpoints and helpers run inside forked ranks.
+"""Tiny random Hugging Face Qwen3 / Qwen3-MoE / Llama checkpoints and helpers run inside forked
+ranks.
 
 The HF models are built from transformers' config classes with the numbers of
-configs/models/tiny-qwen3*.yaml (no hub downloads) and saved with `save_pretrained`. Norm
-weights are randomised too, so a swapped or missing norm cannot go unnoticed.
+configs/models/tiny-qwen3*.yaml and tiny-llama.yaml (no hub downloads) and saved with
+`save_pretrained`. Norm weights are randomised too, so a swapped or missing norm cannot go
+unnoticed.
 """
 
 from __future__ import annotations
@@ -41,16 +43,47 @@ def hf_config(moe: bool, **changes):
     return Qwen3Config(**common)
 
 
+# tiny-llama.yaml as transformers' LlamaConfig: tied, llama3 scaling, a small theta and
+# original context so that the scaled frequencies act within a few positions
+LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def llama_hf_config(**changes):
+    from transformers import LlamaConfig
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                  rope_parameters=dict(LLAMA_ROPE), rms_norm_eps=1e-5,
+                  max_position_embeddings=512, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=[1, 4, 5])  # the tiny-llama twin's ids
+    common.update(changes)
+    return LlamaConfig(**common)
+
+
 def make_checkpoint(path: str, moe: bool, seed: int = 0, **changes) -> TinyCheckpoint:
-    from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-    torch.manual_seed(seed)
     cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
-    model = cls(hf_config(moe, **changes)).eval()
+    return save_checkpoint(path, cls, hf_config(moe, **changes),
+                           "tiny-qwen3-moe" if moe else "tiny-qwen3", seed)
+
+
+def make_llama_checkpoint(path: str, seed: int = 0, **changes) -> TinyCheckpoint:
+    """transformers' own LlamaForCausalLM at tiny-llama's numbers, saved by save_pretrained."""
+    from transformers import LlamaForCausalLM
+
+    return save_checkpoint(path, LlamaForCausalLM, llama_hf_config(**changes), "tiny-llama", seed)
+
+
+def save_checkpoint(path: str, cls, config, name: str, seed: int) -> TinyCheckpoint:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    model = cls(config).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
                 param.normal_(1.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -58,7 +91,7 @@ def make_checkpoint(path: str, moe: bool, seed: int = 0, **changes) -> TinyCheck
     with torch.no_grad():
         logits = model(ids).logits
     state = load_file(os.path.join(path, "model.safetensors"))
-    return TinyCheckpoint(path, "tiny-qwen3-moe" if moe else "tiny-qwen3", ids, logits, state)
+    return TinyCheckpoint(path, name, ids, logits, state)
 
 
 # ---------------------------------------------------------------- inside forked ranks

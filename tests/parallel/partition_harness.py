@@ -1,6 +1,8 @@
 """Helpers for the model-level partition-invariance tests (run inside forked gloo ranks).
 
-A tiny fp32 megatron-core GPTModel (local spec, RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups),
+A tiny fp32 megatron-core GPTModel (local spec, RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups;
+`llama=True`: Llama's tied embedding / output layer, shared across pipeline stages, and llama3
+RoPE scaling with every band in use, `megapkl.models.rope`),
 a fixed minibatch of 12 responses in 3 groups of 4 with very different prompt and response
 lengths, six of them multi-turn (observation tokens fed but not trained on, `OBSERVATIONS`), the single-process reference (megatron's own DotProductAttention, plain log_softmax,
 `policy_loss` on the whole minibatch, plain autograd) and the distributed run (our CP attention,
@@ -52,6 +54,19 @@ def action_mask(uid, length):
     return mask
 
 
+def llama_spec():
+    """The harness model as a Llama ModelSpec (megapkl.models.spec): its RoPE frequencies."""
+    from megapkl.models.spec import ModelSpec, validate
+
+    return validate(ModelSpec(
+        name="partition-llama", family="llama", vocab_size=VOCAB, hidden_size=HIDDEN,
+        num_layers=LAYERS, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        head_dim=HIDDEN // HEADS, ffn_hidden_size=FFN, qk_layernorm=False, rope_theta=100.0,
+        rope_type="llama3", rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_position_embeddings=32,
+        tie_word_embeddings=True, max_position_embeddings=128))
+
+
 def model_config(tp=1, pp=1, cp=1, sp=False, ep=0):
     """ep=0: dense; ep >= 1: MoE with EXPERTS experts (top-2, no auxiliary loss, dropless)
     over `ep` expert-parallel ranks with megatron's all-gather token dispatcher."""
@@ -89,20 +104,28 @@ def block_spec(config, cp=1, packed=False, moe=False, megatron_attention=False):
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=QwenRMSNorm)
 
 
-def gpt(config, spec, pre=True, post=True):
+def gpt(config, spec, pre=True, post=True, llama=False):
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=128,
-                    position_embedding_type="rope", pre_process=pre, post_process=post)
+    if not llama:
+        return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=128,
+                        position_embedding_type="rope", pre_process=pre, post_process=post)
+    from megapkl.models.rope import megatron_rope_args, set_rotary
+
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=128, pre_process=pre,
+                     post_process=post, share_embeddings_and_output_weights=True,
+                     **megatron_rope_args(llama_spec()))
+    set_rotary(model, llama_spec())
+    return model
 
 
-def reference_model(moe=False):
+def reference_model(moe=False, llama=False):
     """Single process, megatron's own local attention (the CP module is checked against it)."""
     from megapkl.parallel.groups import init_parallel
 
     init_parallel(seed=SEED)
     config = model_config(ep=1 if moe else 0)
-    return gpt(config, block_spec(config, moe=moe, megatron_attention=True))
+    return gpt(config, block_spec(config, moe=moe, megatron_attention=True), llama=llama)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -127,9 +150,12 @@ def tp_gather(t, p, group):
                      dim=p.partition_dim)
 
 
-def global_name(name, groups):
+def global_name(name, groups, tied=False):
     """Local layer numbering of a pipeline stage, local expert numbering of an expert-parallel
-    rank -> the single-process name."""
+    rank -> the single-process name. A tied output layer (the last stage's copy of the
+    embedding, a parameter of its own only under pipeline parallelism) is the embedding."""
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if name.startswith("decoder.layers."):
         parts[2] = str(int(parts[2]) + groups.pp_rank * (LAYERS // groups.pp_size))
@@ -142,16 +168,20 @@ def global_name(name, groups):
 def load_full_state(module, state, groups):
     with torch.no_grad():
         for name, p in module.named_parameters():
-            full = state[global_name(name, groups)]
+            full = state[global_name(name, groups, _tied(module))]
             p.copy_(tp_slice(full, p, groups.tp_rank, groups.tp_size))
 
 
+def _tied(module) -> bool:
+    return bool(getattr(module, "share_embeddings_and_output_weights", False))
+
+
 def full_grads(module, groups, attr="main_grad"):
-    return {global_name(n, groups): tp_gather(getattr(p, attr), p, groups.tp)
+    return {global_name(n, groups, _tied(module)): tp_gather(getattr(p, attr), p, groups.tp)
             for n, p in module.named_parameters()}
 
 
-def distributed_model(groups, state, sp=False, packed=False, moe=False):
+def distributed_model(groups, state, sp=False, packed=False, moe=False, llama=False):
     """The provider's spec choice for this layout, weights from `state`, wrapped in megatron
     DDP with per-token loss."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -160,7 +190,7 @@ def distributed_model(groups, state, sp=False, packed=False, moe=False):
     config = model_config(groups.tp_size, groups.pp_size, groups.cp_size, sp,
                           ep=groups.ep_size if moe else 0)
     spec = block_spec(config, groups.cp_size, packed, moe)
-    module = gpt(config, spec, groups.is_first_pp_stage, groups.is_last_pp_stage)
+    module = gpt(config, spec, groups.is_first_pp_stage, groups.is_last_pp_stage, llama=llama)
     load_full_state(module, state, groups)
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),

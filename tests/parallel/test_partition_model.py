@@ -37,7 +37,8 @@ STEP = 3
 # name: (tp, pp, cp, dp, micro-batches per DP rank[, options])
 # options: sp (sequence parallel), packing ("thd"), tokens (parallel.max_tokens_per_micro_batch
 # instead of a micro-batch count), ep (MoE model over that many expert-parallel ranks, compared
-# with the single-process MoE model).
+# with the single-process MoE model), llama (the Llama model: tied embeddings, llama3 RoPE,
+# compared with the single-process Llama model).
 LAYOUTS = {
     "tp1cp1dp1_mb2": (1, 1, 1, 1, 2),
     "tp1cp1dp2_mb3": (1, 1, 1, 2, 3),
@@ -54,6 +55,9 @@ LAYOUTS = {
     "tp2sp_mb2": (2, 1, 1, 1, 2, {"sp": True}),
     "tp2sp_cp2_mb2": (2, 1, 2, 1, 2, {"sp": True}),
     "moe_ep2dp2_mb2": (1, 1, 1, 2, 2, {"ep": 2}),               # all-gather dispatcher across DP
+    # Llama: the output layer tied to the embedding across the two pipeline stages (their
+    # gradients summed over the embedding group), vocab-sharded over TP, llama3 RoPE scaling
+    "llama_tp2pp2_mb2": (2, 2, 1, 1, 2, {"llama": True}),
 }
 # The new layouts run a subset of the objectives that covers every kind of cross-shard
 # statistic (token counts, CP credit, response table, global M2 mask, SIS, entropy/KL terms).
@@ -68,8 +72,8 @@ def layout_of(name):
 
 # ----------------------------------------------------------------------------- workers
 
-def reference_worker(rank, world_size, cases, moe=False):
-    model = H.reference_model(moe)
+def reference_worker(rank, world_size, cases, moe=False, llama=False):
+    model = H.reference_model(moe, llama)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         responses = H.make_responses(model)
@@ -103,7 +107,8 @@ def layout_worker(rank, world_size, layout, state, responses, cases, variants=()
     tp, pp, cp, dp, micro, opts = layout
     sp, packing, ep = opts.get("sp", False), opts.get("packing", "bshd"), opts.get("ep", 1)
     groups = init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, etp=1 if ep > 1 else None, seed=H.SEED)
-    ddp, module = H.distributed_model(groups, state, sp=sp, packed=packing == "thd", moe=ep > 1)
+    ddp, module = H.distributed_model(groups, state, sp=sp, packed=packing == "thd", moe=ep > 1,
+                                      llama=opts.get("llama", False))
     mine = H.dp_share(responses, groups.dp_rank, groups.dp_size)
     # the trainer's own packing: plan (count or token budget), shared shape, CP shards, device
     shards = build_micro_batches(mine, groups, B.pad_multiple(cp, tp, sp), packing,
@@ -183,6 +188,17 @@ def reference(megatron_loaded):
 
 
 @pytest.fixture(scope="module")
+def llama_reference(megatron_loaded):
+    from megapkl.parallel.forked import run_forked
+
+    cases = [CASES[i] for i in SUBSET]
+    ((state, responses, (results, logp)),) = run_forked(reference_worker, 1, cases, False, True,
+                                                        timeout=120)
+    # indexed like CASES, as the other references are
+    return state, responses, (dict(zip(SUBSET, results)), logp)
+
+
+@pytest.fixture(scope="module")
 def moe_reference(megatron_loaded):
     from megapkl.parallel.forked import run_forked
 
@@ -234,7 +250,8 @@ def check_case(ranks, i, ref, case, tol=1e-5):
 def test_every_objective_matches_single_process(dist_run, request, name):
     tp, pp, cp, dp, micro, opts = layout = layout_of(name)
     moe = opts.get("ep", 1) > 1
-    state, responses, (ref, ref_logp) = request.getfixturevalue("moe_reference" if moe else "reference")
+    fixture = "moe_reference" if moe else "llama_reference" if opts.get("llama") else "reference"
+    state, responses, (ref, ref_logp) = request.getfixturevalue(fixture)
     if moe:
         cases, idx = MOE_CASES, range(len(MOE_CASES))
     elif len(LAYOUTS[name]) > 5:

@@ -84,8 +84,9 @@ def test_qwen_math_template_fallback_and_chat_template():
     class HFLike:
         chat_template = "{{ messages }}"
 
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, date_string):
             assert not tokenize and add_generation_prompt
+            assert date_string == "26 Jul 2024"  # a date-stamping template gets data.chat_date
             return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
 
     text, _ = render_prompt("Q", "qwen_math", HFLike())
