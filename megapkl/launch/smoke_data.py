@@ -70,7 +70,8 @@ def eval_overrides(cfg, data: Path) -> tuple[list[str], list[str]]:
 
     benches, sources = [], []
     for b in cfg.eval.resolved_benchmarks():
-        item = {"name": b.name, "greedy": b.greedy, "n_samples": min(b.n_samples, EVAL_SAMPLES)}
+        item = {"name": b.name, "greedy": b.greedy, "n_samples": min(b.n_samples, EVAL_SAMPLES),
+                **({"scoring": b.scoring} if b.scoring else {})}
         if b.name not in SYNTHETIC_TASKS or b.path:
             src = b.path or str(Path(cfg.eval.data_dir) / f"{b.name}.jsonl")
             dest = data / "eval" / f"{b.name}.jsonl"
