@@ -4,6 +4,7 @@ each in a subprocess of its own, then a table of config / engine / result / seco
     python tools/smoke_all.py [--out runs/smoke_all] [--steps 4] [KEY=VALUE ...]
     python tools/smoke_all.py --sample          # one config per paper folder, and every engine
     python tools/smoke_all.py --list --sample   # what would run
+    python tools/smoke_all.py --folder sis_agent rollout.engine=embedded   # one paper folder
 
 `--sample`: per paper folder one config (the one with routing replay where the folder has it,
 else one with SIS, else the first), smoked on its configured engine; a multi-turn pick (the
@@ -99,9 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the configs and stop")
     ap.add_argument("--out", default=str(REPO / "runs" / "smoke_all"))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--folder", action="append", metavar="NAME",
+                    help="only the configs of this folder of configs/experiments/ (repeatable)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_intermixed_args(argv)
-    jobs = (sample if args.sample else every)(run_configs(), args.overrides)
+    paths = [p for p in run_configs() if not args.folder or p.parent.name in args.folder]
+    if not paths:
+        ap.error(f"--folder {' '.join(args.folder)}: no run config there (folders: "
+                 f"{', '.join(sorted({p.parent.name for p in run_configs()}))})")
+    jobs = (sample if args.sample else every)(paths, args.overrides)
     if args.list:
         print("\n".join(f"{j.label} [{j.engine}]" for j in jobs))
         return 0

@@ -9,6 +9,8 @@ as a user's run serves wiki-18's."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -125,7 +127,6 @@ def search_overrides(cfg, data: Path) -> tuple[list[str], list[str]]:
     observations a smoke run's budget holds. Nothing for other configs."""
     if cfg.env.type != "search":
         return [], []
-    from megapkl.retriever.index import build_index
     from megapkl.rollout.sglang.launch import pick_ports
 
     corpus, index = data / "corpus.jsonl", data / "index"
@@ -135,7 +136,7 @@ def search_overrides(cfg, data: Path) -> tuple[list[str], list[str]]:
               f"hill{j % 5}, number {j}."} for j in range(FILLERS)]
     data.mkdir(parents=True, exist_ok=True)
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    build_index(str(corpus), str(index), "bm25")
+    index_command(corpus, index, data / "index.log")
     port = pick_ports("127.0.0.1", 18760, 1)[0]
     s = cfg.env.search
     said = [f"retriever {s.url or s.index} -> a BM25 index of {len(rows)} generated passages at "
@@ -146,3 +147,16 @@ def search_overrides(cfg, data: Path) -> tuple[list[str], list[str]]:
     return ["env.search.url=null", f"env.search.index={index}", f"env.search.port={port}",
             "env.search.serve_args=[]", f"env.max_turn_tokens={TURN_TOKENS}",
             f"env.max_observation_tokens={OBSERVATION_TOKENS}"], said
+
+
+def index_command(corpus: Path, index: Path, log: Path) -> None:
+    """`megapkl retriever index` (BM25) in a process of its own, as a user builds an index;
+    RuntimeError with its log's last line when it fails."""
+    with open(log, "w", encoding="utf-8") as f:
+        rc = subprocess.call([sys.executable, "-m", "megapkl.retriever", "index", "--corpus",
+                              str(corpus), "--out", str(index), "--backend", "bm25"],
+                             stdout=f, stderr=subprocess.STDOUT)
+    if rc:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        raise RuntimeError(f"smoke: `megapkl retriever index` exited {rc} ({log}): "
+                           f"{(lines or ['(no output)'])[-1]}")
