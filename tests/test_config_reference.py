@@ -34,7 +34,7 @@ def test_every_key_of_every_section_is_documented():
     assert expected <= set(documented)
     assert {k for k in documented if k.startswith("eval.benchmarks[].")} == {
         "eval.benchmarks[].name", "eval.benchmarks[].greedy", "eval.benchmarks[].n_samples",
-        "eval.benchmarks[].path"}
+        "eval.benchmarks[].path", "eval.benchmarks[].scoring"}
     silent = sorted(k for k, (tp, default, note) in documented.items() if not (tp and default and note))
     assert not silent, f"keys without a comment in megapkl/config/: {silent}"
 

@@ -4,10 +4,13 @@ each in a subprocess of its own, then a table of config / engine / result / seco
     python tools/smoke_all.py [--out runs/smoke_all] [--steps 4] [KEY=VALUE ...]
     python tools/smoke_all.py --sample          # one config per paper folder, and every engine
     python tools/smoke_all.py --list --sample   # what would run
+    python tools/smoke_all.py --folder sis_agent rollout.engine=embedded   # one paper folder
 
-`--sample` is what CI runs: per paper folder one config (the one with routing replay where the
-folder has it, else the first), smoked on its configured engine; an engine no sampled config uses
-is added by smoking the first sampled config again with `rollout.engine=ENGINE`. KEY=VALUE
+`--sample`: per paper folder one config (the one with routing replay where the folder has it,
+else one with SIS, else the first), smoked on its configured engine; a multi-turn pick (the
+search agent's) is smoked on every other engine too, each engine generating turns its own way;
+an engine no sampled config uses is added by smoking the first sampled config again with
+`rollout.engine=ENGINE`. KEY=VALUE
 overrides apply to every config. Exit 1 when any smoke failed; each one's full output is in
 OUT/<folder>__<config>[__<engine>].out.
 """
@@ -51,14 +54,19 @@ def configured(path: Path, overrides: list[str]):
 
 
 def sample(paths: list[Path], overrides: list[str]) -> list[Job]:
-    """One config per paper folder (routing replay preferred), then each missing engine."""
+    """One config per paper folder (routing replay, then SIS preferred), a multi-turn one on
+    every engine, then each missing engine."""
     jobs, seen = [], set()
     for folder in sorted({p.parent for p in paths}):
         mine = [p for p in paths if p.parent == folder]
         cfgs = {p: configured(p, overrides) for p in mine}
-        pick = next((p for p in mine if cfgs[p].model.routing_replay), mine[0])
-        jobs.append(Job(pick, cfgs[pick].rollout.engine, ()))
-        seen.add(cfgs[pick].rollout.engine)
+        pick = min(mine, key=lambda p: (not cfgs[p].model.routing_replay,
+                                        not cfgs[p].objective.sis.enabled, p.name))
+        engine = cfgs[pick].rollout.engine
+        jobs.append(Job(pick, engine, ()))
+        seen.add(engine)
+        if cfgs[pick].env.multi_turn:
+            jobs += [Job(pick, e, (f"rollout.engine={e}",)) for e in ENGINES if e != engine]
     for engine in ENGINES:
         if engine not in seen:
             jobs.append(Job(jobs[0].path, engine, (f"rollout.engine={engine}",)))
@@ -92,9 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the configs and stop")
     ap.add_argument("--out", default=str(REPO / "runs" / "smoke_all"))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--folder", action="append", metavar="NAME",
+                    help="only the configs of this folder of configs/experiments/ (repeatable)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_intermixed_args(argv)
-    jobs = (sample if args.sample else every)(run_configs(), args.overrides)
+    paths = [p for p in run_configs() if not args.folder or p.parent.name in args.folder]
+    if not paths:
+        ap.error(f"--folder {' '.join(args.folder)}: no run config there (folders: "
+                 f"{', '.join(sorted({p.parent.name for p in run_configs()}))})")
+    jobs = (sample if args.sample else every)(paths, args.overrides)
     if args.list:
         print("\n".join(f"{j.label} [{j.engine}]" for j in jobs))
         return 0

@@ -291,8 +291,10 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  {name:16s} {m['num_prompts']:5d} prompts x {per}"
                      f": {shown} ({m['num_correct']}/{m['num_samples']} correct"
                      + (f", {m['errors']} scoring errors" if m["errors"] else "") + ")")
-    mic = summary["micro_average"]
+    mic, mac = summary["micro_average"], summary["macro_average"]
     lines.append(f"  micro average    {mic['accuracy']:.4f} ({mic['num_correct']}/{mic['num_samples']})")
+    lines.append(f"  macro average    {mac['accuracy']:.4f} (mean over {mac['benchmarks']} "
+                 "benchmarks: the papers' Avg)")
     lines.append("  files: " + ", ".join(summary["files"]))
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ DEFAULT_METRICS = ("train/accuracy", "reward/mean", "entropy", "grad_norm", "is/
                    "tetpo/alpha_mean", "response_len/mean", "staleness/mean", "loss",
                    # per-update distributions: median with the p10-p90 band
                    "pkl/credit_p50", "sis/accept_rate_p50", "tetpo/alpha_p50", "tetpo/ess_frac_before_p50")
+AVERAGES = ("eval/micro_avg", "eval/macro_avg")  # drawn first among the evaluation's metrics
 
 
 def ema(values: Sequence[float], alpha: float) -> list[float]:
@@ -47,10 +48,10 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def eval_metrics(runs: list[tuple[str, list[dict]]]) -> list[str]:
-    """The eval/<benchmark>/<metric> keys present in any run (micro average first)."""
+    """The eval/<benchmark>/<metric> keys present in any run (the averages first)."""
     keys = {k for _, rows in runs for r in rows for k in r
             if k.startswith("eval/") and k != "eval/version" and not k.endswith("/errors")}
-    return sorted(keys, key=lambda k: (not k.startswith("eval/micro_avg"), k))
+    return sorted(keys, key=lambda k: (not k.startswith(AVERAGES), k))
 
 
 def run_ema_alpha(run_dir: str | Path, default: float = 0.1) -> float:
@@ -97,9 +98,9 @@ def plot_runs(run_dirs: Iterable[str | Path], out_dir: str | Path, *, alpha: flo
 
 
 def _eval_main(evals: list[str]) -> list[str]:
-    """Per benchmark its headline number (greedy pass@1 or mean@k), and the micro average."""
+    """Per benchmark its headline number (greedy pass@1 or mean@k), and the averages."""
     heads = [k for k in evals if k.rsplit("/", 1)[-1].startswith(("pass@1_greedy", "mean@"))]
-    return [k for k in evals if k.startswith("eval/micro_avg")] + heads[:8]
+    return [k for k in evals if k.startswith(AVERAGES)] + heads[:8]
 
 
 def _grid(runs, main: list[str], alpha: float, path: Path) -> Path:

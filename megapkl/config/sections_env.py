@@ -4,8 +4,8 @@ With `env.type` unset every response is one generated turn. With it set, the rol
 generates each response turn by turn: after each of the policy's turns the environment returns an
 observation (a tool's answer, an invalid-action notice), appended as tokens the policy reads but
 is never trained on, or ends the trajectory. The budgets' defaults are Search-R1's (v0.2 and
-later: 4 turns, 500 tokens per turn and per observation); the response budget is
-rollout.max_response_len and counts action and observation tokens alike.
+later: 4 search rounds and a final turn, so 5 actions; 500 tokens per turn and per observation);
+the response budget is rollout.max_response_len and counts action and observation tokens alike.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class EnvConfig:
     # Stop strings that end a turn, kept in the output (SGLang's stop with no_stop_trim); unset:
     # the environment's own
     stop: Optional[list[str]] = None
-    max_turns: int = field(default=4, metadata=rng(1))  # actions per trajectory (Search-R1: 4)
+    # actions per trajectory; Search-R1's max_turns=4 counts search rounds, then one more turn: 5
+    max_turns: int = field(default=5, metadata=rng(1))
     # tokens one action may take (Search-R1: 500); null: what the response budget leaves
     max_turn_tokens: Optional[int] = field(default=500, metadata=rng(1))
     # tokens one observation may take, its text cut so its closing tag survives (Search-R1: 500)

@@ -138,6 +138,10 @@ class BenchmarkConfig:
     # unset: eval.n_samples (greedy: 1)
     n_samples: Optional[int] = field(default=None, metadata=rng(1))
     path: Optional[str] = None  # default: <eval.data_dir>/<name>.jsonl
+    # math: math-verify of the last \boxed{}; answer_em: exact match of the last <answer> the policy
+    # wrote against every gold answer (reward.type answer_em's rule); unset: answer_em for the QA
+    # sets of `megapkl data list` (nq, triviaqa, popqa, hotpotqa, musique, bamboogle), else math
+    scoring: Optional[Literal["math", "answer_em"]] = None
 
     def check(self, err) -> None:
         if not self.name:
@@ -159,12 +163,14 @@ def _paper_benchmarks() -> list[Union[BenchmarkConfig, str]]:
 class EvalConfig:
     """Held-out evaluation every `every` updates (0: off; `at_start` also evaluates the initial
     policy), run by `megapkl.eval`. A benchmark is a name (a prepared eval set, a synthetic task)
-    or a mapping {name, greedy, n_samples, path}; the resolved config shows the full mappings.
-    Greedy benchmarks report pass@1, sampled ones mean@n and pass@k for k = 1, 2, 4, ..., n."""
+    or a mapping {name, greedy, n_samples, path, scoring}; the resolved config shows the full
+    mappings. Greedy benchmarks report pass@1, sampled ones mean@n and pass@k for k = 1, 2, 4,
+    ..., n; every evaluation also reports the micro average (pooled samples) and the macro average
+    (the mean over benchmarks, the papers' "Avg")."""
 
     every: int = field(default=0, metadata=rng(0))  # updates between evaluations; 0: off
     at_start: bool = False  # also evaluate the initial policy
-    # names or {name, greedy, n_samples, path}; default: the PKL protocol (PKL 6.1 / C.1)
+    # names or {name, greedy, n_samples, path, scoring}; default: the PKL protocol (PKL 6.1 / C.1)
     benchmarks: list[Union[BenchmarkConfig, str]] = field(default_factory=_paper_benchmarks)
     n_samples: int = field(default=16, metadata=rng(1))  # k for mean@k / pass@k
     greedy: bool = False  # for benchmarks that do not say
@@ -189,7 +195,8 @@ class EvalConfig:
             b = BenchmarkConfig(name=b) if isinstance(b, str) else b
             greedy = self.greedy if b.greedy is None else b.greedy
             n = b.n_samples if b.n_samples is not None else (1 if greedy else self.n_samples)
-            out.append(BenchmarkConfig(name=b.name, greedy=greedy, n_samples=n, path=b.path))
+            out.append(BenchmarkConfig(name=b.name, greedy=greedy, n_samples=n, path=b.path,
+                                       scoring=b.scoring))
         return out
 
 

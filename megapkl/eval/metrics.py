@@ -5,7 +5,8 @@
     mean_at_k(correct)     Avg@k / mean@k: the fraction of the k samples per prompt that are
                            correct, averaged over prompts (with k samples for every prompt this is
                            also total correct / total responses)
-    summarize(per_prompt)  the per-benchmark summary; `micro_average` pools benchmarks
+    summarize(per_prompt)  the per-benchmark summary; `micro_average` pools benchmarks' samples,
+                           `macro_average` averages their accuracies
 
 `per_prompt` is a list of lists of booleans: the correctness of each sample drawn for one prompt.
 Greedy pass@1 is mean@1 of one greedy sample per prompt.
@@ -72,12 +73,22 @@ def summarize(per_prompt: Sequence[Sequence[bool]], ks: Iterable[int] = (), gree
 
 
 def micro_average(summaries: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Pooled over benchmarks: total correct / total responses (the papers' 'Average')."""
+    """Pooled over benchmarks: total correct / total responses (a benchmark weighs by its
+    samples; the papers' "Avg" columns are `macro_average`)."""
     total = sum(int(s["num_samples"]) for s in summaries.values())
     right = sum(int(s["num_correct"]) for s in summaries.values())
     if total == 0:
         raise ValueError("micro_average: no samples")
     return {"num_samples": total, "num_correct": right, "accuracy": right / total}
+
+
+def macro_average(summaries: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The unweighted mean of the benchmarks' accuracies (every benchmark weighs the same, however
+    many prompts and samples it has): the SIS paper's "Avg" column."""
+    if not summaries:
+        raise ValueError("macro_average: no benchmarks")
+    accs = [float(s["accuracy"]) for s in summaries.values()]
+    return {"benchmarks": len(accs), "accuracy": sum(accs) / len(accs)}
 
 
 def default_ks(n: int) -> list[int]:

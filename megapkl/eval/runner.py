@@ -4,13 +4,20 @@ the `RolloutEngine` interface is touched, so any engine (embedded, SGLang) serve
 
 A benchmark is a synthetic task name (`next_mod10`, `add_mod10`: exact-match scoring of the task)
 or a prompt/answer JSONL (`<eval.data_dir>/<name>.jsonl` from `megapkl data prepare`, or a
-benchmark's `path`), scored by math-verify in a worker process with a per-sample time limit
-(`megapkl.rollout.bounded_verify`).
+benchmark's `path`), scored by its `scoring`: `math`, math-verify in a worker process with a
+per-sample time limit (`megapkl.rollout.bounded_verify`), or `answer_em`, the search agent's
+exact match of the last <answer> the policy wrote against any gold answer (`reward.type:
+answer_em`'s rule, `megapkl.rollout.rewards.answer_match`); unset, the QA sets of the dataset
+table take `answer_em` and everything else `math`. A multi-turn run evaluates with its
+environment: the caller hands in its turn driver (`turns`), so the benchmarks' rollouts call the
+same tools (the search agent's retriever) as training does.
 
 Files, per evaluated version v (number of optimizer updates applied):
-    <out>/step_<v:06d>.json           summary: per benchmark and micro-averaged metrics, settings
+    <out>/step_<v:06d>.json           summary: per benchmark, micro- and macro-averaged metrics,
+                                      settings
     <out>/step_<v:06d>.samples.jsonl  one row per sample: benchmark, prompt_id, sample index,
-                                      response, extracted answer, gold, correct (+ error, if any)
+                                      response, extracted answer, gold (+ every gold answer of a
+                                      QA set), correct (+ error, if any)
 """
 from __future__ import annotations
 
@@ -21,9 +28,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megapkl.errors import MegapklError
-from megapkl.eval.metrics import default_ks, micro_average, summarize
+from megapkl.eval.metrics import default_ks, macro_average, micro_average, summarize
 from megapkl.rollout.engine import RolloutEngine, SamplingParams
-from megapkl.rollout.rewards import last_action_ids
+from megapkl.rollout.rewards import answer_match, gold_answers, last_action_ids
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.seeds import prompt_seed
 
@@ -40,7 +47,7 @@ class Benchmark:
     ids: list[str]
     greedy: bool
     n_samples: int
-    kind: str  # 'math' or 'synthetic'
+    kind: str  # 'math', 'answer_em' (exact match of the last <answer>) or 'synthetic'
     task: Any = None  # the synthetic task, for its answer reading
 
     def share(self, rank: int, size: int) -> list[int]:
@@ -61,11 +68,13 @@ class SampleRecord:
     error: Optional[str] = None
     response_len: int = 0
     finish_reason: str = "stop"
+    golds: Optional[list[str]] = None  # every gold answer (QA sets), when there are several
 
     def row(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "index"}
-        if out["error"] is None:
-            del out["error"]
+        for key in ("error", "golds"):
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -129,7 +138,17 @@ def _load_one(b: Any, eval_cfg: Any, data_cfg: Any, tokenizer: Any) -> Benchmark
                                  chat_date=data_cfg.chat_date)
     ids = _row_ids(path)
     return Benchmark(b.name, list(ds.items), [ids.get(it.metadata["line"], f"line{it.metadata['line']}")
-                                              for it in ds.items], b.greedy, n, "math")
+                                              for it in ds.items], b.greedy, n, scoring_of(b))
+
+
+def scoring_of(b: Any) -> str:
+    """A prompt file's scoring: the benchmark's `scoring`, else `answer_em` for the QA sets of
+    the dataset table (the search agent's benchmarks) and `math` for the rest."""
+    from megapkl.data.registry import QA_EVAL_SETS
+
+    if getattr(b, "scoring", None):
+        return b.scoring
+    return "answer_em" if b.name in QA_EVAL_SETS else "math"
 
 
 def _row_ids(path: Path) -> dict[int, str]:
@@ -173,6 +192,9 @@ class Scoring:
         if b.kind == "synthetic":
             got = b.task.extract(last_action_ids(s))  # the policy's last turn
             return got == s.answer, got, None
+        if b.kind == "answer_em":  # only the policy's own turns: never a passage or the prompt
+            got, correct = answer_match(s, self.tokenizer)
+            return correct, got, None
         if self._verifier is None:
             from megapkl.rollout.bounded_verify import BoundedVerifier
 
@@ -204,8 +226,10 @@ def generate_and_score(engine: RolloutEngine, b: Benchmark, indices: Sequence[in
         i = indices[j // b.n_samples]
         where = f"{b.name}/{b.ids[i]}#{j % b.n_samples}"
         correct, extracted, error = scoring(b, s, where)
+        golds = gold_answers(s) if b.kind == "answer_em" else None
         out.append(SampleRecord(b.name, i, b.ids[i], j % b.n_samples, scoring.text(b, s), extracted,
-                                s.answer, bool(correct), error, s.response_len, s.finish_reason))
+                                s.answer, bool(correct), error, s.response_len, s.finish_reason,
+                                golds if golds and golds != [s.answer] else None))
     return out
 
 
@@ -213,7 +237,8 @@ def generate_and_score(engine: RolloutEngine, b: Benchmark, indices: Sequence[in
 
 
 def summarize_records(benchmarks: Sequence[Benchmark], records: Sequence[SampleRecord]) -> dict:
-    """{benchmark: metrics} and the micro average, from the sample records."""
+    """{benchmark: metrics}, the micro average (pooled samples) and the macro average (the mean
+    of the benchmarks' accuracies: the SIS paper's "Avg" column), from the sample records."""
     per: dict[str, dict] = {}
     for b in benchmarks:
         grid: list[list[bool]] = [[] for _ in b.items]
@@ -227,7 +252,8 @@ def summarize_records(benchmarks: Sequence[Benchmark], records: Sequence[SampleR
         ks = [] if b.greedy else default_ks(b.n_samples)
         per[b.name] = summarize(grid, ks=ks, greedy=b.greedy)
         per[b.name]["errors"] = sum(1 for r in records if r.benchmark == b.name and r.error)
-    return {"benchmarks": per, "micro_average": micro_average(per)}
+    return {"benchmarks": per, "micro_average": micro_average(per),
+            "macro_average": macro_average(per)}
 
 
 def flat_metrics(summary: dict) -> dict[str, float]:
@@ -238,6 +264,7 @@ def flat_metrics(summary: dict) -> dict[str, float]:
             if k not in ("num_prompts", "num_samples", "num_correct"):
                 out[f"eval/{name}/{k}"] = float(v)
     out["eval/micro_avg/accuracy"] = float(summary["micro_average"]["accuracy"])
+    out["eval/macro_avg/accuracy"] = float(summary["macro_average"]["accuracy"])
     out["eval/version"] = float(summary["step"])
     return out
 
@@ -270,6 +297,7 @@ def evaluate(engine: RolloutEngine, benchmarks: Sequence[Benchmark], eval_cfg: A
 
 def settings(eval_cfg: Any, rollout_cfg: Any, benchmarks: Sequence[Benchmark]) -> dict:
     return {"benchmarks": {b.name: {"greedy": b.greedy, "n_samples": b.n_samples,
-                                    "prompts": len(b.items)} for b in benchmarks},
+                                    "prompts": len(b.items), "scoring": b.kind}
+                           for b in benchmarks},
             "temperature": eval_cfg.temperature, "top_p": eval_cfg.top_p, "top_k": eval_cfg.top_k,
             "max_response_len": eval_cfg.max_response_len or rollout_cfg.max_response_len}

@@ -37,6 +37,10 @@ synchronous update is their sum. The asynchronous one (rollout.async_batches, al
 servers on GPUs of their own) comes from `overlapped_update_s`, which plays the schedule's
 versions through an engine lane and a trainer lane. Weight sync, rewards and refill rounds are
 left out.
+
+The search agent's retriever, when the run serves its own (env.search.index): its index's host
+memory, where it runs (the profile's `retriever:` step, else beside rank 0) and, on a step with
+GPUs, a flat index's float16 shard added to those GPUs' load (`launch.retriever.size_retriever`).
 """
 from __future__ import annotations
 
@@ -76,9 +80,12 @@ class Plan:
     engine_gib: float = 0.0  # one SGLang server's share of a GPU (mem_fraction_static)
     engine_weights_gib: float = 0.0  # the served weights per GPU of a server
     times: Optional["UpdateTimes"] = None  # per-update time (None: no GPU profile or fleet)
+    retriever: Any = None  # launch.retriever.RetrieverSizing of env.search.index, or None
 
     @property
     def fits(self) -> bool:
+        if self.retriever is not None and not self.retriever.fits:
+            return False
         if self.gpu_gib is None:
             return True
         return (max(self.train_gib, self.rollout_gib) <= self.gpu_gib
@@ -110,6 +117,8 @@ class Plan:
             lines.append(f"step time at MFU {self.mfu:.2f}: {self.step_s:.1f} s")
         if self.times is not None:
             lines += self.times.lines()
+        if self.retriever is not None:
+            lines += self.retriever.lines()
         return "\n".join(lines)
 
 
@@ -198,9 +207,17 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU,
     servers = fleet_line(cfg)
     fleet = servers.startswith("SGLang: ") and "DOES NOT FIT" not in servers  # launched, fits
     times = update_times(cfg, profile, step, response_len) if fleet and step is not None else None
+    from pathlib import Path
+
+    from megapkl.launch.retriever import size_retriever
+
+    retriever = size_retriever(cfg.env, getattr(profile, "retriever", None), cwd=Path.cwd(),
+                               nodes=cfg.slurm.nodes, train_gib=max(train, resident + engines),
+                               gpu_mem_gib=gpu)
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
                 flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
-                servers=servers, times=times, **_engine_memory(cfg, spec, gpu))
+                servers=servers, times=times, retriever=retriever,
+                **_engine_memory(cfg, spec, gpu))
 
 
 # ------------------------------------------------------------------ time per update

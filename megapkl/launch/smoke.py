@@ -7,10 +7,12 @@ staleness, async batches, reference, FP8 and weight-sync choices are the config'
 scales the run to one CPU process is replaced: model, parallel layout, batch and lengths, the
 SGLang fleet (`megapkl serve` workers stand in for SGLang, one process each), Slurm keys. A few
 rows of the config's training and evaluation data are taken when the files are here, synthetic
-rows otherwise. Then the very commands a user runs: `megapkl train` (a handful of updates),
-`megapkl eval` of the final checkpoint and `megapkl plot`, each in its own process with its log
-in the smoke directory. The report, one screen, says what was kept, what was replaced, how each
-stage ended, and what cannot be checked here. `tools/smoke_all.py` smokes every run config of
+rows otherwise; a search agent gets a generated corpus, its BM25 index (served by the run, as
+`env.search.index` is), QA rows and a twin scripted to call the search tool (a random twin never
+would). Then the very commands a user runs: `megapkl train` (a handful of updates), `megapkl eval`
+of the final checkpoint and `megapkl plot`, each in its own process with its log in the smoke
+directory. The report, one screen, says what was kept, what was replaced, how each stage ended,
+and what cannot be checked here. `tools/smoke_all.py` smokes every run config of
 configs/experiments/.
 """
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from megapkl.launch.smoke_data import PROMPT_LEN, data_overrides, eval_overrides
+from megapkl.launch.smoke_data import (AGENT_POSITIONS, AGENT_PROMPT_LEN, AGENT_RESPONSE_LEN,
+                                       PROMPT_LEN, SEARCH_SCRIPT, data_overrides, eval_overrides,
+                                       search_overrides)
 
 STEPS = 4  # a handful of updates: one weight refresh and one snapshot refresh fall inside
 INTERVAL = 2  # rollout / reference refresh intervals longer than this are shortened to it
@@ -75,22 +79,31 @@ def kept(cfg) -> list[str]:
     ro, sg, obj = cfg.rollout, cfg.rollout.sglang, cfg.objective
     lag = ro.effective_max_staleness()
     sis = f" (SIS top-{obj.sis.top_k})" if getattr(obj.sis, "enabled", False) else ""
-    return [f"objective {obj.name}{sis}, reference {cfg.reference.mode}, lr {cfg.train.lr:g} "
-            f"{cfg.train.lr_schedule}",
-            f"protocol {ro.protocol}, max staleness {'-' if lag is None else lag}, "
-            f"{ro.minibatches_per_batch} minibatch(es) per batch, async batches {ro.async_batches}",
-            f"engine {ro.engine}, FP8 rollouts {'on' if ro.fp8 else 'off'} (KV "
-            f"{ro.kv_cache_dtype}), weight sync {sg.weight_sync}, colocate {sg.colocate}, "
-            f"routing replay {'on' if cfg.model.routing_replay else 'off'}"]
+    out = [f"objective {obj.name}{sis}, reference {cfg.reference.mode}, lr {cfg.train.lr:g} "
+           f"{cfg.train.lr_schedule}",
+           f"protocol {ro.protocol}, max staleness {'-' if lag is None else lag}, "
+           f"{ro.minibatches_per_batch} minibatch(es) per batch, async batches {ro.async_batches}",
+           f"engine {ro.engine}, FP8 rollouts {'on' if ro.fp8 else 'off'} (KV "
+           f"{ro.kv_cache_dtype}), weight sync {sg.weight_sync}, colocate {sg.colocate}, "
+           f"routing replay {'on' if cfg.model.routing_replay else 'off'}"]
+    if cfg.env.type:
+        out.append(f"environment {cfg.env.type} (max turns {cfg.env.max_turns}), reward "
+                   f"{cfg.reward.type or 'math'}, prompt template {cfg.data.prompt_template}")
+    return out
 
 
-def model_overrides(cfg, twin: Path, spec) -> tuple[list[str], str]:
+def model_overrides(cfg, twin: Path, spec, scripted: bool = False,
+                    positions: Optional[int] = None) -> tuple[list[str], str]:
     experts = f", {spec.num_experts} experts" if spec.is_moe else ""
+    weights = ("scripted to write `<search>king</search>` turns (a random twin never calls the "
+               "tool)") if scripted else "random"
     said = (f"model {cfg.model.name} ({spec.num_layers} layers{experts}, {cfg.model.dtype}) -> "
-            f"{spec.tiny_twin}, random, fp32, at {twin}")
+            f"{spec.tiny_twin}, {weights}, fp32{f', {positions} positions' if positions else ''}"
+            f", at {twin}")
+    arch = f'{{"max_position_embeddings": {positions}}}' if positions else "{}"
     return [f"model.name={spec.tiny_twin}", f"model.hf_checkpoint={twin}", "model.tokenizer=null",
             "model.num_layers=null", "model.hidden_size=null", "model.num_experts=null",
-            "model.arch={}", "model.dtype=fp32", "model.recompute=none"], said
+            f"model.arch={arch}", "model.dtype=fp32", "model.recompute=none"], said
 
 
 def layout_overrides(cfg) -> tuple[list[str], str]:
@@ -135,12 +148,14 @@ def scale_overrides(cfg, steps: int) -> tuple[list[str], list[str]]:
     """Batch, lengths, steps and refresh intervals of a CPU run of the same protocol."""
     ro, tr, ref = cfg.rollout, cfg.train, cfg.reference
     prompts = 2 * ro.minibatches_per_batch  # every minibatch keeps whole prompt groups
+    plen, rlen = (AGENT_PROMPT_LEN, AGENT_RESPONSE_LEN) if cfg.env.type == "search" else \
+        (PROMPT_LEN, RESPONSE_LEN)
     out = [f"rollout.prompts_per_batch={prompts}", "rollout.responses_per_prompt=2",
-           f"rollout.max_prompt_len={PROMPT_LEN}", f"rollout.max_response_len={RESPONSE_LEN}",
+           f"rollout.max_prompt_len={plen}", f"rollout.max_response_len={rlen}",
            f"train.steps={steps}", f"train.warmup_steps={min(tr.warmup_steps, steps - 1)}"]
     said = [f"batch {ro.prompts_per_batch} x {ro.responses_per_prompt}, lengths "
             f"{ro.max_prompt_len}/{ro.max_response_len}, {tr.steps} updates (warmup "
-            f"{tr.warmup_steps}) -> {prompts} x 2, {PROMPT_LEN}/{RESPONSE_LEN}, {steps} "
+            f"{tr.warmup_steps}) -> {prompts} x 2, {plen}/{rlen}, {steps} "
             f"(warmup {min(tr.warmup_steps, steps - 1)})"]
     intervals = []
     if ro.protocol == "periodic_refresh" and (ro.effective_refresh_every() or 0) > INTERVAL:
@@ -196,9 +211,14 @@ def make_plan(config: str, overrides: Sequence[str] = (), out_dir: Optional[str]
     cfg = load_config(config, list(overrides))
     spec = spec_from_model_config(cfg.model)
     root = Path(out_dir or Path("runs") / "smoke" / cfg.name).absolute()
-    twin, run_dir = write_twin(root / "model", spec.tiny_twin), root / "run"
+    search = cfg.env.type == "search"  # the agent's prompts and turns need more positions
+    scripted = search and spec.family == "qwen3"  # the bigram script speaks the Qwen twin's ids
+    positions = AGENT_POSITIONS if search else None
+    twin = write_twin(root / "model", spec.tiny_twin, positions=positions,
+                      script=SEARCH_SCRIPT if scripted else None)
+    run_dir = root / "run"
     shutil.rmtree(root / "plots", ignore_errors=True)  # a former smoke's plots prove nothing
-    model, said_model = model_overrides(cfg, twin, spec)
+    model, said_model = model_overrides(cfg, twin, spec, scripted, positions)
     layout, said_layout = layout_overrides(cfg)
     rollout, said_rollout = rollout_overrides(cfg, twin)
     scale, said_scale = scale_overrides(cfg, steps)
@@ -208,11 +228,12 @@ def make_plan(config: str, overrides: Sequence[str] = (), out_dir: Optional[str]
         if "data.train_path" in mine else data_overrides(cfg, root / "data")
     evals, said_eval = ([], ["evaluation: eval.benchmarks as given"]) \
         if "eval.benchmarks" in mine else eval_overrides(cfg, root / "data")
-    derived = [*model, *layout, *rollout, *scale, *reward, *data, *evals,
+    env, said_env = search_overrides(cfg, root / "data")
+    derived = [*model, *layout, *rollout, *scale, *reward, *data, *evals, *env,
                *run_overrides(cfg, run_dir, steps)]
     final = [*overrides, *(o for o in derived if o.split("=", 1)[0] not in mine)]
     replaced = [said_model, said_layout, said_rollout, *said_scale, said_reward, *said_data,
-                *said_eval]
+                *said_eval, *said_env]
     return Plan(config, root, run_dir, final, kept(cfg), replaced, list(overrides))
 
 

@@ -17,8 +17,9 @@ header stamped with a date, three stop tokens and no pad token.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Union
+from typing import Mapping, Optional, Union
 
 # Token ids of the Qwen tokenizer below (its special tokens come first).
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -101,16 +102,20 @@ def random_weights(spec, seed: int) -> dict:
     return out
 
 
-def write_twin(path: Union[str, Path], name: str, seed: int = 3) -> Path:
+def write_twin(path: Union[str, Path], name: str, seed: int = 3, *,
+               positions: Optional[int] = None,
+               script: Optional[Mapping[str, str]] = None) -> Path:
     """The tiny model `name` (a family's `tiny_twin`) as a Hugging Face checkpoint directory with
-    its tokenizer; a Llama twin also gets the generation_config.json that lists its stop ids."""
+    its tokenizer; a Llama twin also gets the generation_config.json that lists its stop ids.
+    `positions`: its max_position_embeddings (the spec's unless given); `script`: a dense Qwen
+    twin as a character bigram model (`bigram_weights`) instead of random weights."""
     from safetensors.torch import save_file
 
     from megapkl.models.spec import hf_config_dict, load_spec
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    spec = load_spec(name)
+    spec = load_spec(name, {"max_position_embeddings": positions} if positions else None)
     if spec.family == "llama":
         ids = {"eos_token_id": LLAMA_STOP, "bos_token_id": LLAMA_BOS}
         (path / "generation_config.json").write_text(json.dumps(ids, indent=1), encoding="utf-8")
@@ -120,6 +125,52 @@ def write_twin(path: Union[str, Path], name: str, seed: int = 3) -> Path:
         write_tokenizer(path)
     config = {**hf_config_dict(spec, dtype="float32"), **ids}
     (path / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-    save_file(random_weights(spec, seed), str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = bigram_weights(spec, script, seed) if script else random_weights(spec, seed)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def char_id(c: str) -> int:
+    """The id of a character in the twins' tokenizer (`write_tokenizer`)."""
+    return len(SPECIALS) + (0 if c == "\n" else 1 + ord(c) - 32)
+
+
+def bigram_weights(spec, script: Mapping[str, str], seed: int, sharp: float = 5.0) -> dict:
+    """Weights under which the dense twin writes after the character c one of `script[c]`
+    (equally likely at temperature 1), whatever came before: a scripted policy for a CPU run that
+    must exercise a tool (a random twin never writes a tool call). Every attention output and the
+    last layer's MLP are zero; the scripted characters get one-hot embeddings (tied: the output
+    layer reads the same rows) and the first layer's MLP is a lookup table from c's embedding to
+    its successors'; `sharp` scales the final norm, so the successors take all the probability.
+    Other characters keep random embeddings orthogonal to the scripted ones."""
+    import torch
+
+    chars = sorted(set(script) | {n for v in script.values() for n in v})
+    if not spec.tie_word_embeddings or spec.is_moe or len(chars) > spec.hidden_size \
+            or len(script) > spec.ffn_hidden_size:
+        raise ValueError(f"bigram_weights: a tied dense twin with at least {len(chars)} hidden "
+                         f"units and {len(script)} MLP units is needed")
+    w = random_weights(spec, seed)
+    dims = {c: i for i, c in enumerate(chars)}
+    emb = w["model.embed_tokens.weight"]
+    emb[:, :len(chars)] = 0.0  # every other row lives in the remaining dimensions
+    for c, i in dims.items():
+        emb[char_id(c)] = 0.0
+        emb[char_id(c), i] = 1.0
+    for name in list(w):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "gate_proj.weight",
+                          "up_proj.weight")):
+            w[name].zero_()
+        if name.endswith("norm.weight"):
+            w[name].fill_(1.0)
+    w["model.norm.weight"].fill_(sharp)
+    pre = "model.layers.0.mlp."
+    # RMSNorm makes a one-hot embedding sqrt(hidden) times itself: unit j fires for c_j alone
+    scale = spec.hidden_size ** 0.5
+    fired = scale * scale / (1.0 + math.exp(-scale))  # silu(scale) * scale
+    for j, (c, nxt) in enumerate(sorted(script.items())):
+        w[pre + "gate_proj.weight"][j, dims[c]] = 1.0
+        w[pre + "up_proj.weight"][j, dims[c]] = 1.0
+        for n in nxt:
+            w[pre + "down_proj.weight"][dims[n], j] = 4.0 / fired
+    return w

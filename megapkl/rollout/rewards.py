@@ -316,13 +316,24 @@ class AnswerEMReward(Reward):
         self.tokenizer = tokenizer
 
     def texts(self, sample: Sample) -> list[str]:
-        if sample.segments is None:
-            return [response_text(sample, self.tokenizer)]
-        return sample.action_texts()
+        return policy_texts(sample, self.tokenizer)
 
     def is_correct(self, sample: Sample) -> bool:
-        answer = last_answer(self.texts(sample))
-        return answer is not None and exact_match(answer, gold_answers(sample))
+        return answer_match(sample, self.tokenizer)[1]
+
+
+def policy_texts(sample: Sample, tokenizer: Any = None) -> list[str]:
+    """What the policy wrote: one text per action segment (a single-turn response is one)."""
+    if sample.segments is None:
+        return [response_text(sample, tokenizer)]
+    return sample.action_texts()
+
+
+def answer_match(sample: Sample, tokenizer: Any = None) -> tuple[Optional[str], bool]:
+    """(the last <answer> the policy wrote or None, whether it matches a gold answer exactly):
+    the rule of `reward.type: answer_em`, which the evaluation of QA benchmarks applies too."""
+    answer = last_answer(policy_texts(sample, tokenizer))
+    return answer, answer is not None and exact_match(answer, gold_answers(sample))
 
 
 def data_source(sample: Sample) -> str:

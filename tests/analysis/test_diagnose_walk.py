@@ -100,5 +100,5 @@ def test_the_walk_covers_both_weight_formats():
     from megapkl.config import load_config
 
     fp8 = sum(load_config(p).rollout.fp8 for p in RUNS)
-    assert len(RUNS) == 94 and 0 < fp8 < len(RUNS)
+    assert len(RUNS) == 107 and 0 < fp8 < len(RUNS)
 

@@ -61,3 +61,18 @@ def test_micro_average_pools_responses_not_benchmarks():
 
 def test_default_ks():
     assert default_ks(16) == [1, 2, 4, 8, 16] and default_ks(1) == [1] and default_ks(6) == [1, 2, 4, 6]
+
+
+def test_macro_average_weighs_every_benchmark_the_same():
+    """SIS Table 1's Avg: GRPO on Qwen3-8B-Base's six QA sets average to 45.85, whatever their
+    sizes (pooled samples would be dominated by PopQA's 14,267 questions)."""
+    from megapkl.eval.metrics import macro_average
+
+    em = {"nq": 49.14, "triviaqa": 66.99, "popqa": 44.68, "hotpotqa": 46.24, "musique": 19.24,
+          "bamboogle": 48.8}
+    sizes = {"nq": 3610, "triviaqa": 11313, "popqa": 14267, "hotpotqa": 7405, "musique": 2417,
+             "bamboogle": 125}
+    per = {k: {"num_samples": sizes[k], "num_correct": round(sizes[k] * v / 100),
+               "accuracy": v / 100} for k, v in em.items()}
+    assert macro_average(per)["accuracy"] == pytest.approx(0.4585, abs=5e-5)
+    assert micro_average(per)["accuracy"] == pytest.approx(0.5028, abs=5e-4)

@@ -33,7 +33,7 @@ def placed_config(path: Path, machine: str, learner: bool = False):
 
 
 def test_the_paper_configs_are_all_here():
-    assert len(RUNS) == 94, [p.name for p in RUNS]
+    assert len(RUNS) == 107, [p.name for p in RUNS]
 
 
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: f"{p.parent.name}/{p.stem}")

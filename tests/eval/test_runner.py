@@ -80,3 +80,95 @@ def test_command_line_benchmark_takes_the_table_protocol(setup):
     [math500, aime] = load_benchmarks(ev, data, CharTokenizer(), names=["math500", "aime24"])
     assert (math500.greedy, math500.n_samples) == (False, 2)  # configured
     assert (aime.greedy, aime.n_samples) == (False, 16)        # PKL: mean@16 on AIME
+
+
+# ---- the search agent's QA benchmarks: exact match of the policy's last <answer>
+
+QA = [{"id": "q0", "question": "capital of France", "golden_answers": ["Paris", "City of Light"]},
+      {"id": "q1", "question": "capital of Italy", "golden_answers": ["Rome"]}]
+
+
+def qa_sample(actions, golds, observation="<information>x</information>"):
+    """A multi-turn sample whose action segments are `actions`, an observation between each."""
+    from megapkl.rollout.sample import ACTION, OBSERVATION, Segment
+
+    segs = []
+    for i, a in enumerate(actions):
+        segs += ([Segment(OBSERVATION, 2, text=observation, source="tool")] if i else []) + \
+            [Segment(ACTION, 2, text=a)]
+    n = sum(s.length for s in segs)
+    return Sample(uid=0, group_id=0, prompt_ids=torch.tensor([1]), response_ids=torch.arange(n),
+                  logp_behav=torch.zeros(2 * len(actions)), version=1, segments=tuple(segs),
+                  answer=golds[0], metadata={"fields": {"golden_answers": golds, "source": "nq"}})
+
+
+def test_qa_benchmarks_score_the_policys_last_answer_with_the_runs_environment(tmp_path):
+    """QA sets are scored by the answer_em rule (last <answer> of the policy's own turns against
+    every gold answer), rolled out turn by turn through the driver handed in, and averaged per
+    benchmark and over benchmarks (the papers' Avg) beside the pooled micro average."""
+    import json
+
+    from megapkl.envs.base import Environment
+    from megapkl.models.hf_mapping import expected_hf_shapes
+    from megapkl.models.spec import hf_config_dict, load_spec
+    from megapkl.rollout.embedded import EmbeddedEngine
+    from megapkl.rollout.turns import Budgets, Observation, TurnDriver
+
+    src = tmp_path / "flashrag.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in QA))
+    for name in ("nq", "bamboogle"):
+        prepare(name, str(tmp_path / "eval"), from_file=str(src))
+    ev = EvalConfig(benchmarks=[BenchmarkConfig(name=n, greedy=False, n_samples=1)
+                                for n in ("nq", "bamboogle")] +
+                    [BenchmarkConfig(name="mine", n_samples=1, path=str(tmp_path / "eval" / "nq.jsonl"),
+                                     scoring="answer_em")],
+                    data_dir=str(tmp_path / "eval"), max_response_len=90)
+    tok = CharTokenizer()
+    nq, bam, mine = load_benchmarks(ev, DataConfig(train_path="unused.jsonl", prompt_template="raw"),
+                                    tok)
+    assert (nq.kind, bam.kind, mine.kind) == ("answer_em",) * 3
+    scoring = Scoring(tokenizer=tok)
+    right = qa_sample(["<search>France</search>", "<answer> the City of Light </answer>"],
+                      ["Paris", "City of Light"])
+    assert scoring(nq, right, "manual") == (True, "the City of Light", None)
+    # the retrieved passages hold the gold answer in answer tags: they never count
+    leak = qa_sample(["<search>France</search>", "I am not sure."], ["Paris"],
+                     observation="<information><answer>Paris</answer></information>")
+    assert scoring(nq, leak, "manual") == (False, None, None)
+    assert scoring(nq, qa_sample(["<answer>Rome</answer> <answer>Lyon</answer>"], ["Rome"]),
+                   "manual")[0] is False  # the last answer counts
+
+    class Leaky(Environment):
+        """After every turn, a passage that holds the gold answer in answer tags."""
+
+        def step(self, turn):
+            return Observation("<information><answer>Paris</answer></information>",
+                               closing="</information>")
+
+    spec = load_spec("tiny-qwen3")
+    engine = EmbeddedEngine(hf_config_dict(spec, dtype="float32"), tokenizer=tok)
+    torch.manual_seed(0)
+    engine.update_weights(((n, torch.randn(s) * 0.1) for n, s in expected_hf_shapes(spec).items()), 1)
+    driver = TurnDriver(Leaky(), tok, Budgets(max_turns=2, max_response_tokens=400,
+                                              max_turn_tokens=4, max_observation_tokens=64),
+                        timeout_s=5)
+    try:
+        records = evaluate(engine, [nq, bam], ev, SimpleNamespace(max_response_len=8), step=1,
+                           seed=0, scoring=scoring, turns=driver)
+    finally:
+        driver.close()
+    assert [(r.benchmark, r.prompt_id) for r in records] == [
+        ("nq", "q0"), ("nq", "q1"), ("bamboogle", "q0"), ("bamboogle", "q1")]
+    # two turns with the observation between them, within the evaluation's budget (90, not 400)
+    assert all("<information><answer>Paris</answer></information>" in r.response
+               and r.response_len <= 90 for r in records)
+    assert not any(r.correct for r in records)
+    assert records[0].golds == ["Paris", "City of Light"] and records[1].golds is None
+    records[0].correct = records[1].correct = records[2].correct = True  # nq 2/2, bamboogle 1/2
+    summary = summarize_records([nq, bam], records)
+    assert summary["benchmarks"]["nq"]["mean@1"] == 1.0
+    assert summary["macro_average"] == {"benchmarks": 2, "accuracy": 0.75}
+    assert summary["micro_average"]["accuracy"] == 0.75
+    row = json.loads(write_results(tmp_path / "out", 1, {"step": 1, **summary}, records)[1]
+                     .read_text().splitlines()[0])
+    assert row["golds"] == ["Paris", "City of Light"] and row["extracted"] is None

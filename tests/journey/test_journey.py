@@ -82,6 +82,30 @@ COVERAGE = {
     'greedy: true}]"': "test_laptop_section",
     "megapkl plot runs/cpu_demo_proximal_kl --out plots/demo": "test_laptop_section",
     "megapkl demo reward.type=python reward.function=my_rewards:first_digit": "test_own_reward",
+    # the search agent (section 6)
+    "megapkl data prepare nq_hotpotqa_train --out data/search":
+        f"not testable: {HUB} (tests/data/test_prepare_qa.py::test_merged_training_set)",
+    "megapkl data prepare qa_eval --out data/eval":
+        f"not testable: {HUB} (tests/data/test_prepare_qa.py)",
+    "megapkl data prepare wiki18 --out data/corpus":
+        f"not testable: {HUB} (tests/data/test_prepare_qa.py prepares a corpus in its layout)",
+    "megapkl data prepare wiki18_e5_flat --out data/corpus": f"not testable: {HUB}",
+    "megapkl retriever index --corpus data/corpus/wiki18.jsonl --out indexes/wiki18-e5 --backend "
+    "e5 --faiss-index data/corpus/e5_Flat.index":
+        "not testable: the 65 GB index and e5-base-v2 need the Hub (tests/retriever/test_dense.py "
+        "indexes with a prebuilt FAISS index and a tiny encoder made by the test)",
+    "megapkl smoke configs/experiments/sis_agent/qwen3_8b_grpo_sis.yaml rollout.engine=embedded":
+        "tests/launch/test_smoke.py::test_smoke_search_agent_on_the_embedded_engine",
+    "megapkl plan configs/experiments/sis_agent/qwen3_8b_grpo_sis.yaml --profile h100 "
+    "model.hf_checkpoint=/models/Qwen3-8B-Base":
+        "tests/launch/test_plan.py::test_plan_sizes_the_retriever_and_says_where_it_runs",
+    "megapkl submit configs/experiments/sis_agent/qwen3_8b_grpo_sis.yaml --profile h100 "
+    "model.hf_checkpoint=/models/Qwen3-8B-Base":
+        "tests/launch/test_experiments.py::test_experiments_dry_run_on_gpu_profiles (--dry-run: "
+        "H100 nodes are not here)",
+    "megapkl eval runs/sis_agent_qwen3_8b_grpo_sis":
+        "tests/launch/test_smoke.py::test_smoke_search_agent_on_the_embedded_engine (its eval "
+        "stage: the run's retriever started and stopped)",
 }
 
 # The paper runs scaled to CPU. The PKL run: 2 Slurm tasks (data parallel 2 over gloo), its

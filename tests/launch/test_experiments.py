@@ -23,7 +23,8 @@ def _id(p: Path) -> str:
 
 def test_the_experiment_folders_are_populated() -> None:
     folders = {p.parent.name for p in RUNS}
-    assert folders == {"pkl_periodic", "pkl_staleness", "sis_math", "tetpo"}
+    assert folders == {"pkl_periodic", "pkl_staleness", "sis_math", "sis_agent", "tetpo"}
+    assert len([p for p in RUNS if p.parent.name == "sis_agent"]) == 13  # 2 x 6 + Table 7
     assert len([p for p in RUNS if p.parent.name == "pkl_periodic"]) == 16  # 4 sizes x 4 methods
     names = [load_config(p).name for p in RUNS]
     assert len(set(names)) == len(names), "run names must be unique (they name run directories)"
@@ -262,3 +263,41 @@ def test_plan_says_how_many_training_gpus_generate_and_why_not() -> None:
     assert line("qwen3_1p7b_pkl", "rollout.sglang.num_engines=1").endswith(
         "; 4 of the 8 training GPUs generate (4 idle: rollout.sglang.num_engines 1, where a "
         "replica's GPUs take up to 2 servers of 1 GPU(s))")
+
+
+AGENT = {"grpo": (1e-3, 0.2, 0.2), "dapo": (0.0, 0.2, 0.28), "gspo": (0.0, 3e-4, 4e-4)}
+
+
+@pytest.mark.parametrize("model", ["8b", "14b"])
+@pytest.mark.parametrize("algo", list(AGENT))
+@pytest.mark.parametrize("sis", [False, True])
+def test_the_agent_runs_carry_sis_table_5(model: str, algo: str, sis: bool) -> None:
+    """SIS Table 5 (agent): lr 1e-6, mini-batch 64 of a global batch of 256 prompts, 8 responses,
+    4,096 / 4,096 tokens, 800 steps, temperature 1.0 (eval 1.0 / 1.0), KL 1e-3 (GRPO) or 0,
+    top-K 50, the clip range per algorithm, 16 GPUs; Search-R1's turns, passages and budgets; the
+    six QA sets at one sample each."""
+    c = load_config(ROOT / f"sis_agent/qwen3_{model}_{algo}{'_sis' if sis else ''}.yaml")
+    ro, o, kl_eps = c.rollout, c.objective, AGENT[algo]
+    assert c.model.name == f"qwen3-{model}" and c.model.hf_checkpoint == \
+        f"Qwen/Qwen3-{model.upper()}-Base"
+    assert (c.train.lr, c.train.steps, ro.prompts_per_batch, ro.minibatches_per_batch,
+            ro.responses_per_prompt, ro.max_prompt_len, ro.max_response_len) == \
+        (1e-6, 800, 256, 4, 8, 4096, 4096)
+    assert (ro.temperature, ro.top_p, c.eval.temperature, c.eval.top_p) == (1.0, 1.0, 1.0, 1.0)
+    assert (o.name, o.kl_init_coef, o.eps_clip_low, o.eps_clip_high) == (algo, *kl_eps)
+    assert o.sis.enabled == sis and (not sis or o.sis.top_k == 50) and o.entropy_coef == 0
+    assert c.world_size == 16 and c.rollout.sglang.colocate
+    assert (c.reward.type, c.data.prompt_template, c.env.type) == ("answer_em", "sis_agent", "search")
+    assert (c.env.max_turns, c.env.max_turn_tokens, c.env.max_observation_tokens,
+            c.env.search.topk) == (5, 500, 500, 3)
+    assert {b.name: (b.greedy, b.n_samples) for b in c.eval.resolved_benchmarks()} == {
+        n: (False, 1) for n in ("nq", "triviaqa", "popqa", "hotpotqa", "musique", "bamboogle")}
+
+
+def test_table_7_agent_row_is_grpo_with_sis_and_no_clip() -> None:
+    c = load_config(ROOT / "sis_agent/qwen3_8b_pg_sis.yaml")
+    grpo = load_config(ROOT / "sis_agent/qwen3_8b_grpo_sis.yaml")
+    assert c.objective.name == "pg" and c.objective.sis.enabled and c.objective.sis.top_k == 50
+    assert (c.objective.kl_init_coef, c.objective.aggregation) == \
+        (grpo.objective.kl_init_coef, grpo.objective.aggregation)
+    assert (c.rollout, c.train, c.env, c.eval) == (grpo.rollout, grpo.train, grpo.env, grpo.eval)

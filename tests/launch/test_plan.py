@@ -324,3 +324,50 @@ def test_plan_on_policy_gains_nothing_from_generation_ahead(tmp_path):
                                        "rollout.protocol=on_policy", "rollout.refresh_every=null"])
     assert p.times.async_s == pytest.approx(p.times.sync_s) and p.times.ahead[0] == 0
     assert "on_policy waits for each batch's version" in p.table()
+
+
+# ---- the search agent's retriever
+
+AGENT_8B = "configs/experiments/sis_agent/qwen3_8b_grpo_sis.yaml"
+
+
+def _profile_with_retriever(tmp_path, **placement):
+    import yaml
+
+    data = yaml.safe_load((configs_dir().parent / "slurm" / "profiles" / "h100.yaml").read_text())
+    data["retriever"] = placement
+    path = tmp_path / f"h100_{placement['mem']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_plan_sizes_the_retriever_and_says_where_it_runs(tmp_path, monkeypatch):
+    """The flat E5 index of wiki-18 (not built: Search-R1's 21,015,324 x 768 float32) in host
+    memory beside rank 0, or in the profile's step, whose memory and GPUs it must fit; a built
+    index is sized from its manifest and files."""
+    from megapkl.retriever.index import build_index
+
+    ckpt = [f"model.hf_checkpoint={tmp_path}"]
+    beside = plan_config(AGENT_8B, "h100", ckpt)
+    r = beside.retriever
+    assert (r.backend, r.rows, r.gpus) == ("flat", 21_015_324, 0)
+    assert 64.5e9 < r.host_bytes < 65.5e9  # 64.6 GB of vectors, offsets, the encoder
+    assert "beside rank 0" in beside.table() and "faiss-gpu build shards" in beside.table()
+    step = plan_config(AGENT_8B, _profile_with_retriever(tmp_path, node=-1, gpus=8, mem="80G"),
+                       ckpt)
+    assert step.fits and "its own Slurm step on node 1 of the allocation" in step.table()
+    shard = 21_015_324 * 768 * 2 / 8 / 2 ** 30  # float16, sharded over the step's 8 GPUs
+    assert step.retriever.gpu_gib == pytest.approx(shard)
+    assert step.retriever.gpu_load_gib == pytest.approx(step.rollout_gib + shard)
+    small = plan_config(AGENT_8B, _profile_with_retriever(tmp_path, node=0, gpus=0, mem="48G"),
+                        ckpt)
+    assert not small.fits and "of the step's 48 GiB (retriever.mem) -> DOES NOT FIT" in small.table()
+    # a built BM25 index: its rows and its files
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"id": "{i}", "contents": "\\"T{i}\\"\\nword{i} text"}}\n'
+                              for i in range(50)))
+    build_index(str(corpus), str(tmp_path / "ix"))
+    monkeypatch.chdir(tmp_path)
+    bm25 = plan_config(str(configs_dir().parent / AGENT_8B), "h100",
+                       [*ckpt, f"env.search.index={tmp_path / 'ix'}"]).retriever
+    assert (bm25.backend, bm25.rows) == ("bm25", 50) and "memory-mapped" in "\n".join(bm25.lines())

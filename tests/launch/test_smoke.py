@@ -1,7 +1,8 @@
-"""`megapkl smoke` as docs/experiments.md ("Smoke first") runs it, for real: two paper configs on
+"""`megapkl smoke` as docs/experiments.md ("Smoke first") runs it, for real: paper configs on
 their tiny twins through train, eval and plot, one on the embedded engine (dense, controlled
 staleness), one on `megapkl serve` workers standing in for SGLang (MoE, routing replay, SIS, the
-first rows of the config's own data); then a failing stage, and the plan's arithmetic alone."""
+first rows of the config's own data), the search agent on the embedded engine (its own corpus,
+index and retriever); then a failing stage, and the plan's arithmetic alone."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ FIXTURES = REPO / "tests" / "data" / "fixtures"
 PKL = "configs/experiments/pkl_staleness/qwen3_1p7b_pkl_s4.yaml"
 SIS = "configs/experiments/sis_math/qwen3_30b_a3b_dapo_sis_r3.yaml"
 TETPO = "configs/experiments/tetpo/qwen3_1p7b_tetpo.yaml"
+AGENT = "configs/experiments/sis_agent/qwen3_8b_grpo_sis.yaml"
 STEPS = "2"
 
 
@@ -77,6 +79,28 @@ def test_smoke_sglang_moe_with_routing_replay(work):
     assert (work / "sm" / "run" / "sglang" / "logs" / "engine0.log").is_file()
 
 
+def test_smoke_search_agent_on_the_embedded_engine(work):
+    """An SIS agent run on its tiny twin, scripted to call the search tool: the run serves a BM25
+    index of a generated corpus itself (train and eval each start and stop it), its turns get
+    the retriever's passages, exact match per source is logged and the six QA sets evaluated."""
+    out = megapkl("smoke", AGENT, "rollout.engine=embedded", "--out", "sm", "--steps",
+                  STEPS).ok().out
+    assert out.startswith(f"smoke {AGENT}: ok")
+    assert "a BM25 index of 60 generated passages" in out and "scripted to write" in out
+    assert "environment search (max turns 5), reward answer_em, prompt template sis_agent" in out
+    metrics, ran, own = assert_smoked(work / "sm", AGENT, int(STEPS))
+    assert ran.env.type == "search" and ran.env.search.index == str(work / "sm" / "data" / "index")
+    assert (ran.env.max_turns, ran.env.search.topk) == (own.env.max_turns, own.env.search.topk)
+    assert metrics[0]["tool/calls"] > 0 and metrics[0]["time/env_step_s"] > 0
+    assert "em/nq" in metrics[0] and "eval/macro_avg/accuracy" in metrics[-1]
+    rows_ = rows(work / "sm" / "run" / "eval-cli" / f"step_{int(STEPS):06d}.samples.jsonl")
+    assert {r["benchmark"] for r in rows_} == {"nq", "triviaqa", "popqa", "hotpotqa", "musique",
+                                               "bamboogle"}
+    assert any('<information>Doc 1(Title: "King of land' in r["response"] for r in rows_)
+    log = (work / "sm" / "run" / "retriever.log").read_text()
+    assert log.count("serving 60 passages (bm25)") == 2  # training's, then eval's
+
+
 def test_a_failed_stage_is_one_line_and_stops_the_rest(work):
     result = megapkl("smoke", PKL, "rollout.engine=embedded", "data.train_path=missing.jsonl",
                      "--out", "sm", "--steps", STEPS)
@@ -120,4 +144,8 @@ def test_the_sample_covers_every_paper_and_engine():
     assert {j.engine for j in jobs} == {"embedded", "sglang"}
     sis = next(j for j in jobs if j.path.parent.name == "sis_math")
     assert sis.path.name.endswith("_r3.yaml")  # the folder's routing-replay run
+    # the search agent's pick (an SIS run) generates turns on every engine
+    agent = [j for j in jobs if j.path.parent.name == "sis_agent"]
+    assert {j.engine for j in agent} == {"embedded", "sglang"} and len({j.path for j in agent}) == 1
+    assert agent[0].path.stem.endswith("_sis")
     assert len({j.slug for j in jobs}) == len(jobs)  # one output directory each

@@ -10,6 +10,7 @@ REAL = {  # name: (layers, hidden, heads, kv heads, ffn, tied)
     "qwen3-1.7b": (28, 2048, 16, 8, 6144, True),
     "qwen3-4b": (36, 2560, 32, 8, 9728, True),
     "qwen3-8b": (36, 4096, 32, 8, 12288, False),
+    "qwen3-14b": (40, 5120, 40, 8, 17408, False),
     "qwen3-32b": (64, 5120, 64, 8, 25600, False),
     "qwen3-30b-a3b": (48, 2048, 32, 4, 6144, False),
 }
