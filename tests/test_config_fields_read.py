@@ -28,7 +28,7 @@ NOT_READ = {
 }
 # Sections read field by field through a table of their field names: the table's keys (a dict
 # literal at module level) are reads of that section.
-READ_BY_NAME = {("launch/submit.py", "_SLURM_TO_PROFILE"): "slurm"}
+READ_BY_NAME = {("launch/shape.py", "_SLURM_TO_PROFILE"): "slurm"}
 
 
 def sections(cls=RunConfig, prefix: str = "") -> dict[str, dict[str, str | None]]:

@@ -17,7 +17,7 @@ does not depend on how long the other rows' turns were.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -28,14 +28,12 @@ from megapkl.rollout.sampling import draw, step_logprobs
 from megapkl.rollout.seeds import uniforms_at
 from megapkl.rollout.turns import Trajectory, TurnDriver, matched_stop
 
-if TYPE_CHECKING:
-    from megapkl.rollout.embedded import EmbeddedEngine
 
-
-def generate_trajectories(engine: "EmbeddedEngine", prompts: Sequence[PromptItem], n: int,
+def generate_trajectories(engine: Any, prompts: Sequence[PromptItem], n: int,
                           sampling: SamplingParams, driver: TurnDriver, draws: Tensor,
                           group_ids: list[int], uids: list[int]) -> list[Sample]:
-    """`n` multi-turn responses per prompt (prompt-major), chunked by the engine's batch size."""
+    """`n` multi-turn responses per prompt (prompt-major), chunked by the engine's batch size;
+    `engine`: the EmbeddedEngine (its forward, prefill and records; this module is its part)."""
     trajs = [Trajectory(p, i) for i, p in enumerate(p for p in prompts for _ in range(n))]
     for start in range(0, len(trajs), engine.max_batch_size):
         chunk = trajs[start:start + engine.max_batch_size]
@@ -48,7 +46,7 @@ def generate_trajectories(engine: "EmbeddedEngine", prompts: Sequence[PromptItem
 class _Rounds:
     """One batch of trajectories decoded round by round (see the module docstring)."""
 
-    def __init__(self, engine: "EmbeddedEngine", trajs: list[Trajectory],
+    def __init__(self, engine: Any, trajs: list[Trajectory],
                  sampling: SamplingParams, driver: TurnDriver, draws: Tensor,
                  firsts: list[int]) -> None:
         self.e, self.trajs, self.sampling, self.driver = engine, trajs, sampling, driver
