@@ -27,9 +27,10 @@ LENGTHS = [(3, 2), (5, 30), (12, 17), (1, 45), (30, 4), (8, 1), (20, 25), (2, 9)
 # micro-batches (DP rank d takes ORDER[d * 12/dp : ...], micro-batches are contiguous in that).
 ORDER = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
 # Multi-turn responses: observation spans [start, end) in response positions (tokens the model is
-# fed but never trained on). uid 8's 18-token observation straddles CP=2 chunk boundaries; uid 3
+# fed but never trained on). uid 8's 15-token observation is cut by the CP=2 split (part on each
+# rank, one-row layout); uid 3
 # has three; uid 10 one of a single token; uid 11 keeps 2 action tokens around one of 4.
-OBSERVATIONS = {1: [(6, 14)], 3: [(4, 12), (20, 23), (30, 41)], 6: [(1, 3)], 8: [(2, 20)],
+OBSERVATIONS = {1: [(6, 14)], 3: [(4, 12), (20, 23), (30, 41)], 6: [(1, 3)], 8: [(10, 25)],
                 10: [(10, 11)], 11: [(1, 5)]}
 
 
