@@ -3,8 +3,9 @@
 # test suite, which runs on the newest: tools/setup_env.sh). A virtual environment with every
 # dependency at its declared lower bound (tools/lower_bounds.py: torch 2.13.0, numpy 2.0.0, ...)
 # runs what the training path calls into:
-#   - `megapkl demo` for 3 updates: two gloo ranks, megatron-core, the embedded engine, the
-#     collective timeouts, checkpoint, TensorBoard-free metrics and the plots;
+#   - `megapkl demo` for 3 updates (and `--lookup`, multi-turn, for 2): two gloo ranks,
+#     megatron-core, the embedded engine, the collective timeouts, checkpoint, TensorBoard-free
+#     metrics and the plots;
 #   - the math reward (math-verify in its worker process) and `megapkl compare`'s statistics;
 #   - with a Slurm cluster here (sinfo answers): `megapkl submit` of the demo through submitit.
 # torch comes from local disk only (pip's find-links: never a download of torch or NVIDIA
@@ -48,6 +49,10 @@ cd "$work"
 "$repo/$VENV/bin/megapkl" demo train.steps=3 logging.progress_bar=false > demo.log 2>&1 \
   || { tail -20 demo.log; echo "test_bounds: megapkl demo failed on the lower bounds" >&2; exit 1; }
 grep -q "saved checkpoint runs/cpu_demo_proximal_kl/checkpoints/step_00000003" demo.log
+# the multi-turn demo: turns over one KV cache, the tool's observations, their masks
+"$repo/$VENV/bin/megapkl" demo --lookup train.steps=2 logging.progress_bar=false > lookup.log 2>&1 \
+  || { tail -20 lookup.log; echo "test_bounds: megapkl demo --lookup failed on the lower bounds" >&2; exit 1; }
+grep -q "saved checkpoint runs/cpu_lookup/checkpoints/step_00000002" lookup.log
 "$repo/$VENV/bin/python" - <<'EOF'
 from megapkl.analysis import compare_stats as st
 from megapkl.rollout.bounded_verify import BoundedVerifier

@@ -83,7 +83,7 @@ from typing import Any, Callable
 import torch
 
 from megapkl.parallel.patches import (BY_NAME, TENSOR_FACTORIES, TORCH_FACTORIES, apply, check,
-                                      speed_patches_on)
+                                      speed_patches_on, this_versions)
 
 _CPU = torch.device("cpu")
 _installed = False
@@ -105,15 +105,16 @@ def preload() -> None:
     real = torch.compile
     swap = ("megatron.core" not in sys.modules and not torch.cuda.is_available()
             and speed_patches_on())
+    name = this_versions("no-compile-at-import", "no-compile-at-import-2.13")
     if swap:
-        apply(check("no-compile-at-import").name, torch, "compile", _no_compile)
+        apply(check(name).name, torch, "compile", _no_compile)
     try:
         import megatron.core  # noqa: F401
         from megatron.core.tensor_parallel import random  # noqa: F401
         from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
     finally:
         if swap:
-            apply("no-compile-at-import", torch, "compile", real)
+            apply(name, torch, "compile", real)
 
 
 def _no_compile(model: Any = None, **_: Any) -> Any:

@@ -156,14 +156,22 @@ PATCHES = (
           why="synchronous collectives over one rank change nothing but hop to a gloo thread, "
               "whose OpenMP team then slows every later op on a small host: done in place",
           retires="gloo (or torch.distributed) returning at once for a one-rank group"),
-    Patch("no-compile-at-import", _COMPAT, TORCH, cpu_only=True, speed_only=True,
-          replaces=("torch.compile",),
+    Patch("no-compile-at-import", _COMPAT, {"torch": ">=2.14.1,<2.15"}, cpu_only=True,
+          speed_only=True, replaces=("torch.compile",),
           params={"torch.compile": ("model", "fullgraph", "dynamic", "backend", "mode", "options",
                                     "name", "disable", "recompile_limit", "isolate_recompiles",
                                     "dynamic_shapes")},
           why="while megatron-core imports, its jit_fuser decorations would import TorchInductor "
               "(5-8 s) for functions that never run compiled on CPU; restored after the import",
           retires="megatron-core wrapping in torch.compile lazily, or not on CPU"),
+    Patch("no-compile-at-import-2.13", _COMPAT, {"torch": ">=2.13.0,<2.14"}, cpu_only=True,
+          speed_only=True, replaces=("torch.compile",),
+          params={"torch.compile": ("model", "fullgraph", "dynamic", "backend", "mode", "options",
+                                    "name", "disable", "recompile_limit", "isolate_recompiles",
+                                    "shapes_spec")},
+          why="no-compile-at-import on torch 2.13, whose torch.compile names its last parameter "
+              "shapes_spec (dynamic_shapes from 2.14)",
+          retires="torch >= 2.14 as the lowest torch megapkl admits"),
     Patch("checkpoint-writes-in-process", _CKPT, MEGATRON,
           replaces=(f"{_WRITER}._get_write_results_queue",
                     f"{_WRITER}.FileSystemWriterAsync.write_preloaded_data_multiproc"),
@@ -306,6 +314,15 @@ def check(name: str) -> Patch:
               file=sys.stderr, flush=True)
     _VERIFIED[name] = patch
     return patch
+
+
+def this_versions(*names: str) -> str:
+    """The first of `names` (registrations of one patch for different upstream versions) whose
+    version ranges hold here; the first when none does (its check then says so)."""
+    for name in names:
+        if all(_in_range(version_of(pkg), rng) for pkg, rng in BY_NAME[name].versions.items()):
+            return name
+    return names[0]
 
 
 def _release(version: str) -> tuple[int, ...]:
