@@ -101,9 +101,17 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Collective: the latest complete checkpoint (checkpoint.resume: true) or the named one,
-        loaded into the parts at this layout; returns its step (0 without a checkpoint)."""
+        loaded into the parts at this layout; returns its step (0 without a checkpoint). Every
+        stage is agreed or told (`load`): which checkpoint is rank 0's choice, agreed, and every
+        rank checks that one."""
         resume = self.section.resume
-        path = (latest(self.section) if resume is True else Path(resume)) if resume else None
+        chosen = agreed(lambda: (latest(self.section) if resume is True else Path(resume))
+                        if resume else None, what="finding the checkpoint to resume")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [chosen]
+            dist.broadcast_object_list(shared, src=0)  # a rank seeing another newest: rank 0's
+            chosen = shared[0]
+        path = chosen
         if path is None:
             return 0
         agreed(lambda: verify(path), what="checking the checkpoint")

@@ -139,7 +139,7 @@ class WeightState:
     def hold(self) -> None:
         """Colocated: the trainer's memory is handed over (a generation follows): the ready
         servers take theirs back, and restarts and resyncs may run (the heartbeat is woken)."""
-        if not self.colocate:
+        if not self.colocate or self.fleet.connections.closed:  # (closing: nothing to serve)
             return
         with self.lock:
             self.window = True
