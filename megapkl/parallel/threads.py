@@ -66,7 +66,24 @@ def start_thread(target: Callable[..., Any], *, name: str, args: tuple = (),
     return thread
 
 
+class RankExecutor(ThreadPoolExecutor):
+    """A thread pool whose tasks run on the device of the thread that made the pool. Set per
+    task, not by the pool's initializer: a failure there is then the task's own exception, with
+    its message, where a failed initializer leaves only a BrokenThreadPool."""
+
+    def __init__(self, max_workers: int, name: str = "") -> None:
+        super().__init__(max_workers, thread_name_prefix=name)
+        self._device = rank_device()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any):  # type: ignore[override]
+        device = self._device
+
+        def run() -> Any:
+            _use(device)
+            return fn(*args, **kwargs)
+        return super().submit(run)
+
+
 def rank_executor(max_workers: int, name: str = "") -> ThreadPoolExecutor:
-    """A thread pool whose threads run on the device of the thread that makes the pool."""
-    return ThreadPoolExecutor(max_workers, thread_name_prefix=name,
-                              initializer=_use, initargs=(rank_device(),))
+    """A thread pool whose tasks run on the device of the thread that makes the pool."""
+    return RankExecutor(max_workers, name)
