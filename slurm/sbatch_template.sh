@@ -53,7 +53,9 @@ PYTHON="${PYTHON:-python3}"
 # module load cuda/12.8
 # source "$HOME/venvs/megapkl/bin/activate"
 export CUDA_DEVICE_MAX_CONNECTIONS=1          # megatron-core TP/SP communication overlap
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# CleanUpOnly: NCCL's watchdog aborts a failed or timed-out collective without ending the process,
+# which then raises the collective's error (the failure notice aborts alike: docs/reliability.md)
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
 # --export=ALL hands the job the submitting shell's environment: its rendezvous variables (a

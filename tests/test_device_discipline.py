@@ -180,3 +180,34 @@ def test_the_rule_on_small_cases():
         "    dist.all_gather(out, t, group=group)\n"
         "def user(g):\n"
         "    _all_gather(torch.ones(2), g)\n") == [("user", "ones", 4)]
+
+
+# A thread starts on CUDA device 0 whatever its starter uses: every thread megapkl starts goes
+# through megapkl/parallel/threads.py (start_thread, rank_executor), which set the starter's
+# device first (tests/train/test_thread_devices.py runs that on the real components).
+THREAD_MAKERS = frozenset({"Thread", "ThreadPoolExecutor", "Timer"})
+THREAD_HOME = "parallel/threads.py"
+
+
+def thread_starts(sources=None) -> list[tuple[str, int, str]]:
+    """(file, line, call) of every thread made outside the rank-device helpers."""
+    sources = sources if sources is not None else _sources()
+    found = []
+    for rel, tree in sources:
+        if rel == THREAD_HOME:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _callee(node) in THREAD_MAKERS:
+                found.append((rel, node.lineno, _dotted(node.func)))
+    return sorted(found)
+
+
+def test_every_thread_megapkl_starts_sets_the_ranks_device_first():
+    bad = thread_starts()
+    assert not bad, "threads started without the rank's CUDA device (use " \
+        "megapkl.parallel.threads.start_thread / rank_executor):\n" + \
+        "\n".join(f"  megapkl/{f}:{line} {call}(...)" for f, line, call in bad)
+    assert thread_starts([("x.py", ast.parse(
+        "import threading\nthreading.Thread(target=f).start()\n"
+        "with ThreadPoolExecutor(2) as pool: pass\n"))]) == [
+        ("x.py", 2, "threading.Thread"), ("x.py", 3, "ThreadPoolExecutor")]

@@ -1,7 +1,9 @@
 """The GPU checks' own logic, on CPU (they cannot run here; tools/gpu_checks/run_all.sh --cpu
 runs them in full): the FP8 check imports only torch, numpy and the repository; the SGLang smoke
-test never puts its server on the GPU of its own NCCL rank; the shell scripts parse; the summary
-fails a run when a step failed."""
+test never puts its server on the GPU of its own NCCL rank; the failure notice's check and the
+per-thread device check run their code paths on gloo; the TE check fails rather than check the
+local spec under TE's name; the shell scripts parse; the summary fails a run when a step
+failed."""
 from __future__ import annotations
 
 import importlib.util
@@ -93,7 +95,8 @@ def test_the_scripts_parse():
 
 
 def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
-    (tmp_path / "status.txt").write_text("train 0\nlaunch 1\nfp8 0\nlifecycle 1\n")
+    (tmp_path / "status.txt").write_text("train 0\nlaunch 1\nfp8 0\nlifecycle 1\nnotice 1\n"
+                                         "threads 0\n")
     (tmp_path / "train.json").write_text(json.dumps(
         {"ok": True, "device": "X", "tokens_per_s": 10.0, "mfu": 0.3, "peak_memory_gib": 40.0,
          "weight_export_s": 1.5, "update_s": 0.9, "update_split_s": {"train": 0.5},
@@ -110,12 +113,20 @@ def test_the_summary_fails_the_run_when_a_step_failed(tmp_path):
                     "split_count_after_update_group": 0,
                     "split_count_after_control_new_group": 1}) + "\n"
         + json.dumps({"check": "free_before_resume", "ok": False}) + "\n")
+    (tmp_path / "notice.json").write_text(json.dumps(
+        {"check": "notice_abort", "ok": False, "mode": "one-gpu-two-nccl-hosts",
+         "left_after_fault_s": [61.0, 1.2],
+         "checks": {"same_line_on_both_ranks": True, "rank0_left_within": False}}) + "\n")
+    (tmp_path / "threads.json").write_text(json.dumps(
+        {"check": "thread_devices", "ok": True, "gpus": 1, "skipped": True, "seen": {}}) + "\n")
     out = subprocess.run([sys.executable, str(CHECKS / "summary.py"), str(tmp_path), "gpu"],
                          capture_output=True, text=True, timeout=60)
     summary = json.loads(out.stdout.splitlines()[-1])
     assert out.returncode == 1 and not summary["ok"]
     assert summary["verdicts"] == {"train": True, "launch": False, "fp8": True,
-                                   "lifecycle": False}
+                                   "lifecycle": False, "notice": False, "threads": True}
+    assert summary["failed"]["notice"]["checks"] == ["rank0_left_within"]
+    assert summary["notice_left_after_fault_s"] == [61.0, 1.2]
     assert summary["failed"]["lifecycle"]["checks"] == ["free_before_resume"]
     assert summary["update_group_splits"]["split_count_after_control_new_group"] == 1
     assert summary["failed"]["launch"]["checks"] == ["sigterm_checkpoints_and_stops"]
@@ -157,3 +168,36 @@ def test_the_train_checks_probes_take_what_the_learner_is_called_with():
                        or p.default is not p.empty for p in wanted), (method, wanted, rest)
         else:
             assert [p.name for p in rest] == [p.name for p in wanted], (method, wanted, rest)
+
+
+def test_the_failure_notice_check_runs_its_code_path_on_gloo():
+    """The same two processes as on the GPU: rank 1 fails outside an agreement while rank 0
+    waits in a collective; both leave with the same line, rank 0 within seconds."""
+    out = subprocess.run([sys.executable, str(CHECKS / "notice_gpu.py"), "--device", "cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and rows and rows[-1]["ok"], (out.stdout[-2000:],
+                                                             out.stderr[-2000:])
+    assert rows[-1]["mode"] == "gloo" and set(rows[-1]["checks"]) == {
+        "same_line_on_both_ranks", "rank0_left_within", "rank0_collective_raised",
+        "exit_status_0"}
+
+
+def test_the_thread_device_check_runs_its_code_paths_on_cpu():
+    out = subprocess.run([sys.executable, str(CHECKS / "threads_gpu.py"), "--device", "cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and rows and rows[-1]["ok"] and rows[-1]["skipped"], \
+        (out.stdout[-2000:], out.stderr[-2000:])
+    assert set(rows[-1]["seen"]) == {"main", "producer", "heartbeat_resync", "sync_layout"}
+
+
+def test_the_te_check_fails_when_transformer_engine_cannot_run():
+    """Without Transformer Engine (here: without a GPU) the TE check fails at once, naming the
+    cause, instead of checking the local spec under TE's name and exiting 0."""
+    out = subprocess.run([sys.executable, str(CHECKS / "models_te_bf16.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-2000:])
+    assert rows == [{"check": "transformer_engine", "ok": False, "error": rows[0]["error"]}]
+    assert "Transformer Engine cannot run here (no CUDA device)" in rows[0]["error"]

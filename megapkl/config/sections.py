@@ -248,6 +248,9 @@ class SGLangConfig:
     health_max_failures: int = field(default=2, metadata=rng(1))  # failed probes: a server is down
     # until healthy
     startup_timeout_s: float = field(default=900.0, metadata=rng(0.0, lo_open=True))
+    # until healthy, the first start of FP8 servers whose DeepGEMM kernel cache is cold (SGLang
+    # precompiles the block-FP8 GEMMs then: "typically 10-20 mins"; docs/engines.md)
+    compile_timeout_s: float = field(default=3600.0, metadata=rng(0.0, lo_open=True))
     # a batch with no healthy server for this long stops the run (checkpointed, resumable)
     no_engine_timeout_s: float = field(default=600.0, metadata=rng(0.0, lo_open=True))
     max_restarts: int = field(default=3, metadata=rng(0))  # of a launched server that died

@@ -14,11 +14,18 @@ micro-batches of activations; the last stage holds the output layer):
   times the layers of a stage and the PP micro-batches in flight on stage 0;
 - the log-prob path: the vocab-parallel logits of a micro-batch in fp32 plus their gradient
   (8 bytes per element) and the bf16 logits (2), s b V / t elements;
-- colocated SGLang engines hold `mem_fraction_static` of the GPU while generating; the trainer's
-  parameters, gradients and optimizer state stay resident then (activations are free), so that
-  phase is checked too. Servers megapkl launches colocated hand their memory back while the
-  trainer trains (SGLang's memory saver, `releases_memory`); colocated servers it only connects
-  to (`rollout.sglang.urls`) keep it, and count in the training phase as well.
+- an SGLang server reserves `mem_fraction_static` of the GPU memory *free when it starts* for its
+  weights and KV cache, not of the whole GPU: SGLang measures the free memory before it loads
+  the model (`pre_model_load_memory`) and sizes the KV cache so that (1 - mem_fraction_static)
+  of it stays free (`kv_cache_configurator.py`, `_profile_available_bytes`). A colocated server
+  megapkl launches starts beside the built trainer (parameters, gradients and the optimizer's
+  main copy resident; Adam's moments come at the first step, so they are not counted as held
+  then: the larger estimate of the server's share), each process with its own CUDA context
+  (CONTEXT_GIB); a dedicated server starts on a GPU of its own. While generating, the trainer's
+  parameters, gradients and optimizer state stay resident (activations are free), so that phase
+  is checked too. Servers megapkl launches colocated hand their memory back while the trainer
+  trains (SGLang's memory saver, `releases_memory`); colocated servers it only connects to
+  (`rollout.sglang.urls`, started before the trainer) keep it, and count while training too.
 
 The SGLang fleet (`check_fleet`): each data-parallel replica's `num_engines` servers of `tp` GPUs
 must fit the GPUs placement.py gives them in the job (colocated: spread over the nodes the replica
@@ -56,6 +63,9 @@ from megapkl.models.sizes import (layer_params, padded_vocab, served_weight_byte
 
 GIB = 1024 ** 3
 DEFAULT_MFU = 0.35
+# A CUDA process's own context (the driver's and NCCL's buffers), outside every allocator pool: an
+# estimate, in GiB, of what a process holds on a GPU before its first tensor.
+CONTEXT_GIB = 0.5
 # SGLang decode tokens/s of one GPU over all its requests, when a GPU profile sets no
 # gpu_decode_tokens_per_s: Qwen3 1.7B-8B with FP8 weights and BF16 KV at 16K-token responses on
 # an H100 (KV-cache reads bound decoding at long context). An assumption: measure your own.
@@ -77,7 +87,8 @@ class Plan:
     layout: Layout
     gpus: int
     servers: str = ""  # the SGLang fleet, one line (empty without launched SGLang servers)
-    engine_gib: float = 0.0  # one SGLang server's share of a GPU (mem_fraction_static)
+    engine_gib: float = 0.0  # one SGLang server's weights + KV cache per GPU (engine_reservation)
+    engine_free_gib: float = 0.0  # the GPU memory free at that server's start
     engine_weights_gib: float = 0.0  # the served weights per GPU of a server
     times: Optional["UpdateTimes"] = None  # per-update time (None: no GPU profile or fleet)
     retriever: Any = None  # launch.retriever.RetrieverSizing of env.search.index, or None
@@ -111,7 +122,8 @@ class Plan:
         if self.engine_gib and self.engine_weights_gib:
             ok = "fits" if self.engine_weights_gib <= self.engine_gib else "DOES NOT FIT"
             lines.append(f"SGLang weights per GPU {self.engine_weights_gib:.2f} GiB of the "
-                         f"server's {self.engine_gib:.2f} (mem_fraction_static) -> {ok}")
+                         f"server's {self.engine_gib:.2f} (mem_fraction_static of the "
+                         f"{self.engine_free_gib:.1f} GiB free at its start) -> {ok}")
         lines.append(f"model FLOPs per update: {self.flops:.3e}")
         if self.step_s is not None:
             lines.append(f"step time at MFU {self.mfu:.2f}: {self.step_s:.1f} s")
@@ -138,8 +150,9 @@ def layer_activation_bytes(s: float, b: int, h: int, heads: int, t: int, recompu
     return (34 * s * b * h / t + scores) * scale
 
 
-def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float]:
-    """(rows, resident bytes) of pipeline stage 0 and the last stage, whichever is larger."""
+def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float, float]:
+    """(rows, resident GiB, of which Adam's moments) of pipeline stage 0 and the last stage,
+    whichever is larger."""
     ro = cfg.rollout
     bf16 = cfg.model.dtype == "bf16"
     best: Optional[tuple[float, list, float]] = None
@@ -165,11 +178,20 @@ def memory_rows(cfg, spec, lay: Layout) -> tuple[list[tuple[str, float]], float]
             rows.append(("log-prob path (logits fp32 + grad + bf16)",
                          s * b * padded_vocab(spec, lay.tp) / lay.tp * 10))
         resident = sum(v for _, v in rows[:3])
+        moments = (dense / dp_cp + expert / edp) * 8  # Adam's m and v, fp32
         total = sum(v for _, v in rows)
         if best is None or total > best[0]:
-            best = (total, rows, resident)
-    _, rows, resident = best
-    return [(name, v / GIB) for name, v in rows], resident / GIB
+            best = (total, rows, resident, moments)
+    _, rows, resident, moments = best
+    return [(name, v / GIB) for name, v in rows], resident / GIB, moments / GIB
+
+
+def engine_reservation(sg, gpu_gib: float, held_gib: float) -> tuple[float, float]:
+    """(what one SGLang server reserves per GPU for its weights and KV cache, the GPU memory free
+    at its start): `mem_fraction_static` of what is free when it starts on a GPU where
+    `held_gib` is already taken, after its own CUDA context."""
+    free = max(0.0, gpu_gib - held_gib - CONTEXT_GIB)
+    return sg.mem_fraction_static * free, free
 
 
 def update_flops(cfg, spec) -> float:
@@ -189,14 +211,15 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU,
 
     spec = spec_from_model_config(cfg.model)
     lay = _layout(cfg)
-    rows, resident = memory_rows(cfg, spec, lay)
+    rows, resident, moments = memory_rows(cfg, spec, lay)
     gpu = getattr(profile, "gpu_mem_gib", None) if profile is not None else None
     train = sum(v for _, v in rows)
     sg = cfg.rollout.sglang
-    engines = sg.mem_fraction_static * gpu if (cfg.rollout.engine == "sglang" and sg.colocate
-                                                and gpu is not None) else 0.0
+    engines, memory = 0.0, _engine_memory(cfg, spec, gpu, resident - moments)
     from megapkl.rollout.sglang.launch import releases_memory
 
+    if cfg.rollout.engine == "sglang" and sg.colocate and gpu is not None:
+        engines = memory.get("engine_gib", 0.0) or engine_reservation(sg, gpu, 0.0)[0]
     if engines and not releases_memory(sg):  # never handed back: there while training too
         rows.append(("colocated SGLang servers (memory not released)", engines))
         train += engines
@@ -216,8 +239,7 @@ def plan(cfg, profile: Any = None, mfu: float = DEFAULT_MFU,
                                gpu_mem_gib=gpu)
     return Plan(rows=rows, train_gib=train, rollout_gib=resident + engines, gpu_gib=gpu,
                 flops=flops, step_s=step, mfu=mfu, layout=lay, gpus=gpus,
-                servers=servers, times=times, retriever=retriever,
-                **_engine_memory(cfg, spec, gpu))
+                servers=servers, times=times, retriever=retriever, **memory)
 
 
 # ------------------------------------------------------------------ time per update
@@ -327,11 +349,17 @@ def update_times(cfg, profile: Any, train_s: float,
     return times
 
 
-def _engine_memory(cfg, spec, gpu: Optional[float]) -> dict[str, float]:
+def _engine_memory(cfg, spec, gpu: Optional[float], trainer_at_start: float
+                   ) -> dict[str, float]:
+    """A launched server's reservation and served weights per GPU: colocated, it starts beside
+    the built trainer (`trainer_at_start` GiB and the trainer's CUDA context held); dedicated,
+    on a GPU of its own."""
     sg = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang" or sg.urls or gpu is None:
         return {}
-    return {"engine_gib": sg.mem_fraction_static * gpu,
+    held = trainer_at_start + CONTEXT_GIB if sg.colocate else 0.0
+    reserved, free = engine_reservation(sg, gpu, held)
+    return {"engine_gib": reserved, "engine_free_gib": free,
             "engine_weights_gib": served_weight_bytes(spec, cfg.rollout.fp8) / sg.tp / GIB}
 
 

@@ -32,7 +32,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,7 +181,9 @@ def install_preemption_handler(ctx: LaunchContext, grace_s: float) -> _PreemptFl
         print(f"[megapkl.launch] rank {ctx.rank}: got {signal.Signals(signum).name}; will "
               f"checkpoint and requeue at the next step boundary (watchdog {grace_s:.0f}s)",
               file=sys.stderr, flush=True)
-        threading.Thread(target=_watchdog, args=(ctx, flag, grace_s), daemon=True).start()
+        from megapkl.parallel.threads import start_thread
+
+        start_thread(_watchdog, name="megapkl-preempt-watchdog", args=(ctx, flag, grace_s))
 
     signal.signal(sig, on_signal)
     ctx._flag = flag
@@ -298,6 +299,9 @@ def init_distributed(use_gpus: bool, timeout_s: float = 600.0) -> dict[str, Any]
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         torch.cuda.set_device(env.local_rank)
         backend, device = "nccl", f"cuda:{env.local_rank}"
+        from megapkl.parallel.groups import use_nccl_clean_up_only
+
+        use_nccl_clean_up_only()  # what the failure notice's abort needs (parallel/groups.py)
     else:
         backend, device = "gloo", "cpu"
     if env.world_size > 1 and not dist.is_initialized():

@@ -30,7 +30,6 @@ import dataclasses
 import os
 import queue
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -39,6 +38,7 @@ import torch
 
 from megapkl.parallel.chunks import model_chunks
 from megapkl.parallel.patches import apply, check
+from megapkl.parallel.threads import rank_executor
 
 # Model-space optimizer tensors without per-sub-optimizer key prefixes: loadable whatever the
 # layout and however many sub-optimizers (dense / expert) the loading side has.
@@ -212,7 +212,7 @@ def _in_process_writes() -> Iterator[None]:
         return local.get()
 
     def write_all(transform_list, use_msc, rank, write_buckets, results_queue):
-        with ThreadPoolExecutor(max(1, len(write_buckets)), "megapkl-ckpt-write") as pool:
+        with rank_executor(max(1, len(write_buckets)), "megapkl-ckpt-write") as pool:
             done = list(pool.map(lambda ib: write_one(transform_list, use_msc, *ib),
                                  enumerate(write_buckets)))
         failed = [r for _, r in done if isinstance(r, Exception)]

@@ -257,6 +257,42 @@ def _require_cpu_compat() -> None:
             "(megapkl.train.loop.init_groups does) before building megatron groups")
 
 
+# ProcessGroupNCCL's asynchronous error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING, read when a
+# group is made; torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, `ErrorHandlingMode`):
+# 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp (the default when unset). On a failed or
+# timed-out collective the watchdog aborts the communicators under 1 and 2 (SHOULD_CLEAN_UP) and
+# rethrows in its own thread under 1 and 3 (SHOULD_TEAR_DOWN: `WorkNCCL::handleException`),
+# which ends the process. The failure notice aborts a rank's groups when another rank failed
+# (torch documents `_abort_process_group` for a mode without handling), and the aborted work is
+# an error the watchdog then handles: under 1 or 3 the process would die mid-exit, before its
+# line. CleanUpOnly keeps the watchdog's abort on a timeout (a rank killed outright costs the
+# shortened timeout, not forever, as 0 would) and leaves the process to raise the collective's
+# error itself; megapkl uses it unless the environment names a mode.
+NCCL_ERROR_HANDLING_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+NCCL_CLEAN_UP_ONLY = 2
+NCCL_DEFAULT_HANDLING = 3  # SkipCleanUp, torch's default
+
+
+def nccl_error_handling() -> int:
+    """The asynchronous error handling mode NCCL groups of this process are made with."""
+    import os
+
+    for name in NCCL_ERROR_HANDLING_ENV:
+        value = os.environ.get(name, "").strip()
+        if value.lstrip("-").isdigit():
+            return int(value)
+    return NCCL_DEFAULT_HANDLING
+
+
+def use_nccl_clean_up_only() -> None:
+    """Before the first NCCL group: CleanUpOnly unless the environment chose a mode (see
+    NCCL_ERROR_HANDLING_ENV)."""
+    import os
+
+    if not any(os.environ.get(name, "").strip() for name in NCCL_ERROR_HANDLING_ENV):
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = str(NCCL_CLEAN_UP_ONLY)
+
+
 def _init_process_group(backend, init_method, rank, world_size, timeout_minutes) -> None:
     import os
 
@@ -264,6 +300,7 @@ def _init_process_group(backend, init_method, rank, world_size, timeout_minutes)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # one GPU per process: collectives and the model use cuda:LOCAL_RANK
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        use_nccl_clean_up_only()
     kwargs = {}
     if rank is not None:
         kwargs["rank"] = rank

@@ -165,6 +165,17 @@ class RolloutEngine(abc.ABC):
         """The batch is interrupted: keep what was generated for a resumed run, where the engine
         can (SGLangEngine: sglang/answers.py)."""
 
+    def idle(self) -> None:
+        """The trainer takes the accelerator back until the engine's next call: an engine that
+        shares the trainer's GPUs hands its memory back (colocated SGLang servers); nothing by
+        default. A generation does it on its own way out; a push that no generation follows
+        does not."""
+
+    def interrupt(self) -> None:
+        """Make every call in flight, and every later one, fail at once: the engine is about to
+        be closed and a thread still using it must end within seconds (nothing by default: an
+        engine whose calls cannot block on another process)."""
+
     def close(self) -> None:
         """Release the engine; any later call raises RolloutEngineError. Idempotent."""
         self._closed = True

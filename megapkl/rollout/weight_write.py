@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from megapkl.parallel.threads import torch_threads
+from megapkl.parallel.threads import start_thread, torch_threads
 from megapkl.rollout.engine import WeightUpdateError
 
 # Bytes checked and copied at a time: a piece stays in the caches between its check and its copy
@@ -144,9 +144,8 @@ class StreamedWrite:
                 helpers: list[threading.Thread] = []
                 try:
                     for _ in range(self.threads - 1):
-                        helpers.append(threading.Thread(target=self._work, args=(jobs,),
-                                                        daemon=True, name="megapkl-weight-write"))
-                        helpers[-1].start()
+                        helpers.append(start_thread(self._work, name="megapkl-weight-write",
+                                                    args=(jobs,)))
                     self._work(jobs)
                 finally:
                     self._stopped = True  # helpers finish the job in hand, then stop

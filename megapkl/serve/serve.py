@@ -386,11 +386,14 @@ class SGLangCompatServer:
 
     def release(self, body: dict) -> None:
         """Weights and activations of the embedded engine stay where they are (nothing to hand
-        back on CPU); the released tags are kept, with SGLang's refusals: releasing while
-        requests run, resuming a tag that is not released (a fresh server)."""
+        back on CPU); the released tags are kept, with SGLang's refusals: resuming a tag that is
+        not released (a fresh server) is refused; releasing while a request runs ends the
+        server, as SGLang's scheduler asserts it is idle there and its assertion error ends it
+        (SIGQUIT to the parent)."""
         if self.state.busy():
-            raise _Reply(400, {"error": {"message": "release_memory_occupation should be called "
-                                                    "only when server is idle."}})
+            self.die("Scheduler hit an exception: AssertionError: release_memory_occupation "
+                     "should be called only when server is idle.")
+            raise _Reply(500, {"error": {"message": "the scheduler exited"}})
         self.state.released_tags.update(_tags(body))
         return None
 
@@ -701,6 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory-file", help="testing: while this file exists, "
                    "/resume_memory_occupation finds no GPU memory and the server dies, as "
                    "SGLang's scheduler does")
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="testing: every forward "
+                   "step of a generation takes this long more (a slow decode)")
     p.add_argument("--weight-load-delay-s", type=float, default=0.0, help="testing: every "
                    "/update_weights_from_disk blocks the scheduler this long first (a large "
                    "checkpoint)")
@@ -731,6 +736,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              host=args.host, port=args.port, allow_tensor_updates=allow_tensor,
                              no_memory_file=args.no_memory_file)
     state.load_delay_s = args.weight_load_delay_s
+    state.step_delay_s = args.step_delay_s
     state.digest_file = args.weight_digest_file
     if state.digest_file:  # the weights it starts with: a restarted server never shows the
         # digest its predecessor left

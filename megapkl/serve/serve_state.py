@@ -224,6 +224,7 @@ class ServeState:
         # makes every disk update that long, like a large checkpoint read from disk.
         self.scheduler = threading.RLock()
         self.load_delay_s = 0.0
+        self.step_delay_s = 0.0  # testing: each forward step takes this long more
         engine.step_check = self._step_check
 
     # ------------------------------------------------------------ generation
@@ -260,6 +261,8 @@ class ServeState:
 
     def _step_check(self) -> None:
         """Before each forward of the running job: go on, stop, or wait in place."""
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         with self._cond:
             job = self._running
             if job is not None and self._aborted(job):

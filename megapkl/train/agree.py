@@ -13,6 +13,11 @@ rank failed, the ranks exchange their one-line reasons and every rank raises the
 
 A section whose local work consumes a collective stream (the weight export) uses `feed`, which
 drains the rest of the stream after a failure, so the peers' collectives complete.
+
+Whether an exception was raised alike on every rank is a property of the agreement (or of the
+decision every rank takes from agreed data) that raised it, not of its type: `RanksFailed` is,
+and what is raised from one is marked with `every_rank` (megapkl.train.failure_notice tells the
+other ranks of any exception that is not).
 """
 from __future__ import annotations
 
@@ -48,8 +53,18 @@ class RankError:
         return self.message if self.outage else f"{self.kind}: {self.message}"
 
 
+def every_rank(exc: BaseException) -> BaseException:
+    """`exc`, marked as raised alike on every rank (by an agreement, or by a decision every rank
+    takes from agreed data): no rank needs to be told of it, and nothing may interrupt the
+    collectives its way out still runs."""
+    exc.every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
 class RanksFailed(MegapklError):
     """Raised on every rank of a section when any of them failed; the same message everywhere."""
+
+    every_rank = True
 
     def __init__(self, what: str, errors: Sequence[RankError]) -> None:
         self.what, self.errors = what, list(errors)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megapkl.config.layout import Layout
 from megapkl.errors import MegapklError
-from megapkl.train.agree import RankError, RanksFailed, agree, agreed
+from megapkl.train.agree import RankError, RanksFailed, agree, agreed, attempt, every_rank
 from megapkl.train.runlock import RunLock
 from megapkl.train.timers import Timers
 
@@ -102,9 +102,17 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Collective: the latest complete checkpoint (checkpoint.resume: true) or the named one,
-        loaded into the parts at this layout; returns its step (0 without a checkpoint)."""
+        loaded into the parts at this layout; returns its step (0 without a checkpoint). Every
+        stage is agreed or told (`load`): which checkpoint is rank 0's choice, agreed, and every
+        rank checks that one."""
         resume = self.section.resume
-        path = (latest(self.section) if resume is True else Path(resume)) if resume else None
+        chosen = agreed(lambda: (latest(self.section) if resume is True else Path(resume))
+                        if resume else None, what="finding the checkpoint to resume")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [chosen]
+            dist.broadcast_object_list(shared, src=0)  # a rank seeing another newest: rank 0's
+            chosen = shared[0]
+        path = chosen
         if path is None:
             return 0
         agreed(lambda: verify(path), what="checking the checkpoint")
@@ -166,10 +174,10 @@ def _saved_or_failed(section, step: int, tmp: Path, error: Optional[RankError],
             f"checkpoint under {tmp}"
         ranks = sorted({e.rank for e in exc.errors})
         who = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-        raise CheckpointError(
+        raise every_rank(CheckpointError(
             f"{where} failed ({why}; {free[0]} kB free there) on {who}; "
             + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
-        ) from None
+        )) from None
 
 
 def _write_parts(parts: dict[str, Any], tmp: Path, step: int, layout: dict[str, int]
@@ -330,7 +338,12 @@ def preflight(section, run_dir: Path) -> None:
 
 def load(path: Path, parts: dict[str, Any]) -> dict:
     """Collective: the verified checkpoint `path` into `parts` (each part's files, then each
-    part's state, in order); returns its trainer state."""
+    part's state, in order); returns its trainer state. Every stage is agreed or told, as a
+    save's: the parts' files are loaded by collectives (megatron's), where a rank that fails
+    cannot meet the others at an agreement: its CheckpointError is told to them out of band
+    (megapkl.train.failure_notice); the trainer state is read by every rank and agreed, so a
+    read that fails on one rank is the same CheckpointError on every rank; the parts' states
+    agree their own collectives (the engines' version) and are told otherwise."""
     for part in parts.values():
         if hasattr(part, "load_files"):
             try:
@@ -338,15 +351,29 @@ def load(path: Path, parts: dict[str, Any]) -> dict:
             except (OSError, RuntimeError, ValueError, KeyError) as exc:
                 raise CheckpointError(f"checkpoint {path}: cannot be loaded ({type(exc).__name__}: "
                                       f"{' '.join(str(exc).split())[:400]})") from None
+    state, error = attempt(lambda: _read_state(path))
     try:
-        state = _upgrade(torch.load(path / STATE, weights_only=False))
-    except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
-        raise CheckpointError(f"checkpoint {path / STATE}: cannot be read ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())})") from None
+        agree(error, what=f"reading {path / STATE}")
+    except RanksFailed as exc:
+        ranks = sorted({e.rank for e in exc.errors})
+        who = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+        why = "; ".join(dict.fromkeys(e.message if e.kind == "CheckpointError" else
+                                      f"checkpoint {path / STATE}: {e.describe()}"
+                                      for e in exc.errors))
+        raise every_rank(CheckpointError(f"{why} on {who}")) from None
     for name, part in parts.items():
         if hasattr(part, "load_state_dict"):
             part.load_state_dict(state[name])
     return state
+
+
+def _read_state(path: Path) -> dict:
+    """This rank's read of the trainer state (local; agreed by `load`)."""
+    try:
+        return _upgrade(torch.load(path / STATE, weights_only=False))
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
+        raise CheckpointError(f"checkpoint {path / STATE}: cannot be read ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())})") from None
 
 
 def _upgrade(state: dict) -> dict:

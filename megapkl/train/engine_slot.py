@@ -82,6 +82,7 @@ class EngineSlot:
                 yield self.engine
                 if previous is not None and previous != version and self.versions.has(previous):
                     self.use(previous)  # back to the rollouts'
+                self.engine.idle()  # the way back pushed with no generation after it
             except BaseException:
                 self.failed_with(held)
                 raise
@@ -101,8 +102,11 @@ class EngineSlot:
     def load(self, version: Optional[int]) -> None:
         """Collective: the engines load the checkpoint's `version` (a failure is agreed)."""
         if version is not None:
-            agreed(lambda: self.use(version) if self.engine is not None else None,
-                   what=f"loading policy version {version} into the engines")
+            def load() -> None:  # the trainer trains next: colocated servers hand memory back
+                if self.engine is not None:
+                    self.use(version)
+                    self.engine.idle()
+            agreed(load, what=f"loading policy version {version} into the engines")
             self._held = version
 
     def close(self) -> None:

@@ -10,7 +10,11 @@ torch.distributed):
   before it leaves, and waits a moment for the others to have read it (rank 0 may host the store);
 - every rank runs a watcher thread that polls for the record and keeps it; with NCCL it then aborts
   this rank's communicators, so a collective waiting for the failed rank raises at once (gloo has no
-  abort: its collective raises when the failed rank's process ends and its connections close);
+  abort: its collective raises when the failed rank's process ends and its connections close).
+  The abort runs only under an NCCL error handling mode that does not tear the process down
+  (megapkl.parallel.groups: CleanUpOnly, which megapkl sets, or NoHandling): under TearDown or
+  SkipCleanUp the watchdog would rethrow the aborted work's error in its own thread and end the
+  process before its line; there the peers are ended by the watchdog at the (shortened) timeout;
 - a rank whose run then raises (its own collective, broken) raises the published record instead:
   every rank stops with the same line, naming the rank and the error, within seconds.
 
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from megapkl.errors import MegapklError
 from megapkl.parallel.dist_internals import abort_process_groups, default_store
 from megapkl.parallel.groups import mark_out_of_step
+from megapkl.parallel.threads import start_thread
 
 KEY = "megapkl/failure"
 POLL_S = 0.25     # the watcher's period: a peer knows within this of the record (one small store
@@ -43,14 +48,21 @@ class FailedOutsideAgreement(MegapklError):
 
 
 def raised_on_every_rank(exc: BaseException) -> bool:
-    """An exception every rank raises alike (agreed, a global loss or signal decision, a requeue):
-    no notice is needed, and none may interrupt the collectives its path still runs."""
-    from megapkl.train.agree import RanksFailed
-    from megapkl.train.checkpointing import CheckpointError
-    from megapkl.train.loop_state import TrainingError
+    """An exception every rank raises alike: marked so by the agreement that raised it (or by the
+    decision every rank takes from agreed data: a global loss, a requeue; megapkl.train.agree.
+    every_rank). No notice is needed, and none may interrupt the collectives its path still
+    runs. Anything else, whatever its type, was raised on this rank alone as far as anyone
+    knows (a CheckpointError inside megatron's collective load, a second Ctrl-C on one rank):
+    the others are told."""
+    return bool(getattr(exc, "every_rank", False))
 
-    return isinstance(exc, (RanksFailed, TrainingError, CheckpointError, KeyboardInterrupt,
-                            SystemExit)) or bool(getattr(exc, "every_rank", False))
+
+def may_abort() -> bool:
+    """Can this process abort its NCCL groups without the watchdog ending it: an error handling
+    mode that does not tear down (0 NoHandling, 2 CleanUpOnly; megapkl.parallel.groups)?"""
+    from megapkl.parallel.groups import nccl_error_handling
+
+    return nccl_error_handling() in (0, 2)
 
 
 def broken_collective(exc: BaseException) -> bool:
@@ -70,9 +82,7 @@ class FailureNotice:
         self.store, self.rank, self.world, self.abort = store, rank, world, abort
         self.record: Optional[dict] = None  # another rank's record, once seen
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="megapkl-failure-watch",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._watch, name="megapkl-failure-watch")
 
     @classmethod
     def start(cls) -> Optional["FailureNotice"]:
@@ -81,7 +91,7 @@ class FailureNotice:
             return None
         store = default_store()
         nccl = "nccl" in str(dist.get_backend())  # also "cpu:gloo,cuda:nccl"
-        return cls(store, dist.get_rank(), dist.get_world_size(), abort=nccl)
+        return cls(store, dist.get_rank(), dist.get_world_size(), abort=nccl and may_abort())
 
     def close(self) -> None:
         self._stop.set()

@@ -42,7 +42,7 @@ from megapkl.rollout.rewards import ERROR_KEY, match_counts, match_metrics
 from megapkl.rollout.turns import trajectory_metrics, trajectory_sums
 from megapkl.train import checkpointing as ckpt
 from megapkl.train import mismatch
-from megapkl.train.agree import Carried, RanksFailed, agreed
+from megapkl.train.agree import Carried, RanksFailed, agreed, every_rank
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
 from megapkl.train.mechanism_watch import MechanismWatch
@@ -262,11 +262,11 @@ class Trainer:
                 path, saved = self.checkpoints.save_finished(finished, then="continue")
                 if stop == PREEMPTION:
                     self.context.stop(stop, finished - 1, path)  # requeues: never returns
-                raise RunStopped(f"{stop} during update {failed}, whose engines stopped with it; "
-                                 + saved)
+                raise every_rank(RunStopped(f"{stop} during update {failed}, whose engines "
+                                            f"stopped with it; " + saved))
             kind = EnginesStopped if exc.outage else RunStopped
-            raise kind(f"update {failed}: {exc}; "
-                       + self.checkpoints.save_finished(finished)[1]) from None
+            raise every_rank(kind(f"update {failed}: {exc}; "
+                                  + self.checkpoints.save_finished(finished)[1])) from None
 
     def rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         """Reward, accuracy, staleness, lengths and throughput of this update's minibatch (global)."""
@@ -320,7 +320,8 @@ class Trainer:
         try:
             self.loop.count(u, metrics, applied)
         except TrainingError as exc:
-            raise TrainingError(f"{exc} {self.checkpoints.save_finished(u + 1)[1]}") from None
+            raise every_rank(TrainingError(  # the loss is global: every rank counts alike
+                f"{exc} {self.checkpoints.save_finished(u + 1)[1]}")) from None
 
     def log(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
         """Rank-local (rank 0 writes): what it raises is agreed at the end of the update."""

@@ -20,7 +20,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Hashable, Iterable, Optional
 
+from megapkl.parallel.threads import start_thread
+
 Key = Hashable
+STOP_BOUND_S = 10.0  # how long `stop` waits for the thread once its unit was interrupted
 
 
 class Producer:
@@ -41,9 +44,7 @@ class Producer:
         self._done: dict[Key, Any] = {}   # finished, not yet taken
         self._stopped = self._failed = False
         self._alive = True                # the thread has not ended
-        self._thread = threading.Thread(target=self._loop, name="megapkl-rollout-producer",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, name="megapkl-rollout-producer")
 
     def plan(self, keys: Iterable[Key]) -> None:
         """The units the coming batches will ask for, in order (replaces the previous plan)."""
@@ -84,14 +85,22 @@ class Producer:
             self._plan.clear()
             return None
 
-    def stop(self) -> None:
-        """No more units; returns when the thread has ended (a unit in progress finishes first:
-        the engine it uses may be closed right after)."""
+    def stop(self, interrupt: Optional[Callable[[], None]] = None,
+             bound_s: float = STOP_BOUND_S) -> bool:
+        """No more units. A unit in progress is cut short by `interrupt()` (the engine fails its
+        calls in flight at once: it is about to be closed), then the thread is joined for at most
+        `bound_s`: True when it has ended. A thread still inside something nothing interrupts is
+        left behind (a daemon), and the run goes on to its end."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+            busy = self._busy is not None
+        if self._thread is threading.current_thread():
+            return False
+        if busy and interrupt is not None:
+            interrupt()
+        self._thread.join(timeout=bound_s)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         try:

@@ -213,8 +213,7 @@ class RolloutStage:
             self._plan_ahead(batch)
             return samples
         except RanksFailed:
-            if self.producer is not None:  # the run stops: no more generation ahead
-                self.producer.stop()
+            self.stop_ahead()  # the run stops: no more generation ahead
             if self.slot.engine is not None:  # what it answered is there for the resumed run
                 self.slot.engine.keep_answers()
             self.prompts.load_state_dict(prompts)
@@ -392,15 +391,18 @@ class RolloutStage:
         return {"prompts": self.prompts.state_dict(), "engine_version": self.slot.recorded()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Collective: the engines load the saved version (after the versions' files); a
-        failure on any rank is agreed."""
-        self.prompts.load_state_dict(state["prompts"])
+        """Collective: the prompt iterator, then the engines load the saved version (after the
+        versions' files); a failure of either on any rank is agreed."""
+        _, error = attempt(lambda: self.prompts.load_state_dict(state["prompts"]))
+        agree(error, what="loading the rollout state")
         self.slot.load(state["engine_version"])
 
     def stop_ahead(self) -> None:
-        """No more generation ahead: returns when the producer's thread has ended."""
+        """No more generation ahead, within seconds: a unit in progress has its engine calls cut
+        (the engine closes right after: the run is ending) and the thread is joined with a
+        bound (train/producer.py)."""
         if self.producer is not None:
-            self.producer.stop()
+            self.producer.stop(interrupt=getattr(self.slot.engine, "interrupt", None))
 
     def close(self) -> None:
         """The generation ahead, the engine (launched servers stop with the run) and the

@@ -106,3 +106,67 @@ def test_weights_are_read_and_loaded_by_the_one_scheduler():
     mine = ast.unparse(_function(ast.parse(Path(
         SGLangCompatServer.__init__.__code__.co_filename).read_text()), "weights_by_name"))
     assert "with self.state.scheduler:" in mine
+
+
+def _source(rel: str, name: str) -> str:
+    return ast.unparse(_function(_tree(rel), name))
+
+
+def test_a_flush_that_succeeds_proves_the_idleness_a_release_asserts():
+    """The release asserts `is_fully_idle(ignore_waiting=<paused>)`; /flush_cache runs only under
+    the same test (and answers 400 otherwise), and an aborting pause returns once no request is in
+    flight: megapkl's release after a failed generation pauses (abort), flushes (retried), then
+    releases (weight_state.py)."""
+    release = _source("srt/managers/scheduler_components/weight_updater.py",
+                      "release_memory_occupation")
+    assert "assert self.is_fully_idle(ignore_waiting=scheduler is not None and " \
+           "scheduler._engine_paused)" in release
+    assert "if self.is_fully_idle(ignore_waiting=self._engine_paused):" in _source(
+        "srt/managers/scheduler.py", "flush_cache")
+    pause = _source("srt/managers/tokenizer_manager.py", "pause_generation")
+    assert "self.abort_request(abort_all=True)" in pause
+    assert "await self.model_update_lock.is_locked()" in pause
+
+
+def test_a_disk_load_post_processes_and_a_session_would_do_it_again():
+    """update_weights_from_disk loads and post-processes on its own and never marks the session
+    as loaded; end_weight_update then runs post_load_weights and, always, the quantization
+    methods' post-processing: a disk load inside a session is post-processed twice, so megapkl
+    loads from disk outside one (weights.py)."""
+    scheduler_side = "srt/managers/scheduler_components/weight_updater.py"
+    disk = _source(scheduler_side, "update_weights_from_disk")
+    assert "loaded_weights" not in disk
+    assert "run_post_load = not self._session.loaded_weights" in _source(scheduler_side,
+                                                                          "end_weight_update")
+    runner = "srt/model_executor/model_runner_components/weight_updater.py"
+    end = _source(runner, "end_weight_update")
+    assert "post_load_weights(self.get_model())" in end
+    assert "DefaultModelLoader.postprocess_weights(" in end.split("if run_post_load:")[1]
+    assert "loader.load_weights_and_postprocess(model, iter, target_device)" in _source(
+        runner, "update_weights_from_disk")
+
+
+def test_the_kv_cache_is_sized_from_the_memory_free_at_the_servers_start():
+    """mem_fraction_static applies to the GPU memory free before the model loads
+    (pre_model_load_memory), not to the whole GPU: what `megapkl plan` plans with."""
+    sizing = _source("srt/mem_cache/kv_cache_configurator.py", "_profile_available_bytes")
+    assert "slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in sizing
+    assert "rest_memory = available_gpu_memory - slack_gb - mm_reservation_gb" in sizing
+    measured = _source("srt/distributed/bootstrap.py", "measure_pre_model_load_memory")
+    assert "pre_model_load_memory = get_available_gpu_memory(" in measured
+
+
+def test_block_fp8_runs_deepgemm_which_compiles_every_shape_at_its_first_run():
+    """What kernels.py plans the first start's timeout from."""
+    assert "if deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM:\n        return " \
+           "deepgemm_w8a8_block_fp8_linear_with_fallback" in _source(
+               "srt/layers/quantization/fp8_utils.py", "_dispatch_auto_backend")
+    compile_utils = "srt/layers/deep_gemm_wrapper/compile_utils.py"
+    assert "typically 10-20 mins" in _source(compile_utils,
+                                             "_maybe_compile_deep_gemm_one_type_all")
+    text = (_sglang_root() / compile_utils).read_text()
+    assert 'os.environ["DG_JIT_CACHE_DIR"] = envs.SGLANG_DG_CACHE_DIR.get()' in text
+    environ = (_sglang_root() / "srt/environ.py").read_text()
+    assert 'SGLANG_DG_CACHE_DIR = EnvStr(lambda: _default_cache_subdir("deep_gemm"))' in environ
+    assert 'SGLANG_CACHE_DIR = EnvStr(os.path.expanduser("~/.cache/sglang"))' in environ
+    assert "SGLANG_JIT_DEEPGEMM_PRECOMPILE = EnvBool(True)" in environ

@@ -6,7 +6,7 @@ from job_inputs import job_inputs
 
 from megapkl.cli import main
 from megapkl.config import configs_dir, load_config
-from megapkl.launch.plan import Layout, plan, plan_config, stage_params
+from megapkl.launch.plan import CONTEXT_GIB, Layout, plan, plan_config, stage_params
 from megapkl.models.spec import load_spec
 
 EXPERIMENTS = sorted(p for p in (configs_dir() / "experiments").rglob("*.yaml")
@@ -200,10 +200,38 @@ def test_plan_counts_colocated_servers_while_training_unless_megapkl_releases_th
     named = plan(load_config(cfg, ['rollout.sglang.urls=["http://127.0.0.1:30000"]',
                                    "slurm.gpus_per_node=8", "slurm.nodes=1"]),
                  load_profile("h100"))
-    engines = 0.8 * load_profile("h100").gpu_mem_gib
+    engines = 0.8 * (load_profile("h100").gpu_mem_gib - CONTEXT_GIB)  # started before the trainer
     assert not any("not released" in name for name, _ in launched.rows)
     assert ("colocated SGLang servers (memory not released)", engines) in named.rows
     assert abs(named.train_gib - launched.train_gib - engines) < 1e-6
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_plan_takes_mem_fraction_static_of_the_memory_free_at_the_servers_start(tmp_path,
+                                                                                colocate):
+    """SGLang sizes its weights + KV cache as mem_fraction_static of the GPU memory free when the
+    server starts (pre_model_load_memory). A colocated server megapkl launches starts beside the
+    built trainer (parameters, gradients, the optimizer's main copy; Adam's moments come at its
+    first step), a dedicated one on a GPU of its own; each process has its CUDA context. Before:
+    mem_fraction_static of the whole GPU, whatever the trainer held."""
+    from megapkl.launch.plan import memory_rows
+    from megapkl.launch.profile import load_profile
+    from megapkl.models.spec import spec_from_model_config
+
+    cfg = load_config(PKL_1P7B, [f"model.hf_checkpoint={tmp_path}", "slurm.gpus_per_node=8",
+                                 "slurm.nodes=1", f"rollout.sglang.colocate={str(colocate).lower()}",
+                                 "rollout.sglang.mem_fraction_static=0.85"])
+    gpu = load_profile("h100").gpu_mem_gib
+    got = plan(cfg, load_profile("h100"))
+    _, resident, moments = memory_rows(cfg, spec_from_model_config(cfg.model),
+                                       got.layout)
+    held = resident - moments + CONTEXT_GIB if colocate else 0.0
+    free = gpu - held - CONTEXT_GIB
+    assert abs(got.engine_free_gib - free) < 1e-9 and abs(got.engine_gib - 0.85 * free) < 1e-9
+    assert got.engine_gib < 0.85 * gpu
+    if colocate:  # while generating: the trainer's resident state beside the server's share
+        assert abs(got.rollout_gib - (resident + 0.85 * free)) < 1e-9
+    assert f"of the {free:.1f} GiB free at its start" in got.table()
 
 
 # ---- time per update: generation, training, synchronous and asynchronous

@@ -38,6 +38,27 @@ HOST = "127.0.0.1"
 START_TIMEOUT = float(os.environ.get("MEGAPKL_SERVE_START_TIMEOUT", "240"))  # loaded CI cores
 
 
+class Owner:
+    """The weight owner of a fleet under test alone (the engine binds its WeightState): the
+    version every ready server should hold, which servers sleep, and the resyncs asked of it."""
+
+    def __init__(self, version=None, asleep=lambda w: False, recover=True):
+        self.version, self._asleep, self.recover = version, asleep, recover
+        self.resynced: list = []
+
+    def asleep(self, w) -> bool:
+        return self._asleep(w)
+
+    def restarted(self, w) -> None:
+        pass
+
+    def resync(self, workers) -> None:
+        self.resynced.append(workers)
+
+    def may_recover(self) -> bool:
+        return self.recover
+
+
 def free_port() -> int:
     """A currently free loopback TCP port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -13,17 +13,23 @@ CPU):
   broadcasts into it; with `load_format: flattened_bucket` one uint8 buffer for the bucket whose
   tensors must start at a multiple of their element size (weight_sync/tensor_bucket.py);
 - /release_memory_occupation asserts the server is idle (a /health_generate probe counts as a
-  request); /resume_memory_occupation of tags that were never released raises in the scheduler,
-  which exits: the server answers nothing after that ("dead").
+  request) and /resume_memory_occupation of tags that were never released raises in the
+  scheduler: either exits the scheduler, and the server answers nothing after that ("dead");
+- weights are post-processed once by /update_weights_from_disk and once by /end_weight_update
+  (`postprocess_weights` runs there whatever the session loaded): `post_processed` counts them;
+- a server started while `gpu_busy_file` exists (the trainer holds the GPU) sizes its memory from
+  what the trainer left free: `started_beside_trainer`.
 
 Run in a child process (`serve(port_queue)`) or as a script: `python sglang_recorder.py PORT
-[--health-delay S]`. GET /state returns the recorded state (pickled, base64).
+[--health-delay S] [--gpu-busy-file PATH]`. GET /state returns the recorded state (pickled,
+base64).
 """
 from __future__ import annotations
 
 import base64
 import io
 import json
+import os
 import pickle
 import sys
 import threading
@@ -36,7 +42,8 @@ DEFAULT_LOADERS = ("auto", "pt", "safetensors")  # formats SGLang's DefaultModel
 
 
 class Recorder:
-    def __init__(self, load_format: str = "dummy", health_delay: float = 0.0):
+    def __init__(self, load_format: str = "dummy", health_delay: float = 0.0,
+                 gpu_busy_file: str | None = None):
         self.routes: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.version = None
@@ -49,6 +56,8 @@ class Recorder:
         self.busy = 0  # requests being generated (health probes included)
         self.released = False
         self.dead = False
+        self.post_processed = 0
+        self.started_beside_trainer = bool(gpu_busy_file and os.path.exists(gpu_busy_file))
         self.violations: list[str] = []
         self.lock = threading.Lock()
 
@@ -64,6 +73,7 @@ class Recorder:
             with self.lock:
                 if self.busy:
                     self.violations.append("release while a request runs")
+                    self.dead = True  # the scheduler's assertion ends it
                     return 500, {"error": "release_memory_occupation should be called only "
                                           "when server is idle."}
                 self.released = True
@@ -81,6 +91,7 @@ class Recorder:
             self.session = True
         elif route == "end_weight_update":
             self.session = False
+            self.post_processed += 1
         elif route == "update_weight_version":
             self.version = body["new_version"]
         elif route.startswith("update_weights_from"):
@@ -124,6 +135,7 @@ class Recorder:
                                                           f"<{fmt} loader>."}
             from megapkl.rollout.embedded import iter_safetensors
             named = list(iter_safetensors(body["model_path"]))
+            self.post_processed += 1
         else:
             try:
                 named = self._receive(body)
@@ -158,7 +170,9 @@ class Recorder:
         torch.save(self.weights, buf)  # (plain pickle cannot carry float8 tensors)
         return {"routes": list(self.routes), "version": self.version, "paused": self.paused,
                 "session": self.session, "weights": buf.getvalue(), "released": self.released,
-                "violations": list(self.violations), "dead": self.dead}
+                "violations": list(self.violations), "dead": self.dead,
+                "post_processed": self.post_processed,
+                "started_beside_trainer": self.started_beside_trainer}
 
 
 def read_state(url: str) -> dict:
@@ -220,7 +234,10 @@ def serve(port_queue, **kwargs) -> None:
     httpd.serve_forever()
 
 
+def _arg(name: str, default=None):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 if __name__ == "__main__":
-    delay = float(sys.argv[sys.argv.index("--health-delay") + 1]) \
-        if "--health-delay" in sys.argv else 0.0
-    make_server(Recorder(health_delay=delay), int(sys.argv[1])).serve_forever()
+    make_server(Recorder(health_delay=float(_arg("--health-delay", 0.0)),
+                         gpu_busy_file=_arg("--gpu-busy-file")), int(sys.argv[1])).serve_forever()

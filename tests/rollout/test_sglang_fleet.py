@@ -3,6 +3,7 @@ launcher (server_command) behind the real sglang-router; generation, the three w
 faults (SIGSTOP / SIGKILL mid-batch, a restarted worker with stale weights) and bad input."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 from megapkl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megapkl.rollout.sample import PromptItem
 from megapkl.rollout.sglang import http
-from megapkl.rollout.sglang.fleet import EngineHooks, EnginesUnavailable, Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.fleet import EnginesUnavailable, Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import ServerLaunchError
 
 pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs a POSIX shell")
@@ -177,7 +178,8 @@ def test_trainer_runs_through_router(engine, dist_run, tmp_path):
         f"rollout.sglang.router_url={engine.fleet.router_url}",
         "rollout.sglang.weight_sync=distributed"])
     try:
-        dist_run(_rank_main, 1, cfg, timeout=300)
+        with _holding(engine):
+            dist_run(_rank_main, 1, cfg, timeout=300)
     finally:
         fleet.start_heartbeat()  # the workers now hold version 4: the fixture resyncs them
     rows = read_metrics(tmp_path / "run")
@@ -187,11 +189,27 @@ def test_trainer_runs_through_router(engine, dist_run, tmp_path):
         assert http.request(w.url, "model_info", timeout=10)["weight_version"] == "4"
 
 
+@contextlib.contextmanager
+def _holding(engine):
+    """The fixture's colocated servers hold their memory for the block (released again after it
+    if they were before): another engine connects to them by `urls`, and its /health probe is a
+    generation, which ends a released server."""
+    released = any(w.held.released for w in engine.fleet.workers)
+    engine.weight_state.hold()
+    try:
+        yield
+    finally:
+        if released:
+            engine.idle()
+
+
 def _pause_heartbeat(fleet):
     """Stop the fixture's heartbeat while another engine drives its workers (start_heartbeat
-    resumes it and resyncs them)."""
+    resumes it and resyncs them). A stop is meant for the way out and closes the fleet's
+    connections: they are opened again here."""
     fleet.stop_heartbeat()
     fleet._stop, fleet._thread = threading.Event(), None
+    fleet.connections.closed = False
 
 
 def _left_over(threads_before, groups_before, deadline_s=10.0):
@@ -327,10 +345,11 @@ def test_urls_serving_other_flags_are_refused_before_any_request(engine, tmp_pat
     (served.py, contract-tested against SGLang's own /server_info in tests/contract): the
     fixture's workers are `megapkl serve` stand-ins at TP 1 serving tiny-qwen3."""
     urls = [f"rollout.sglang.urls={json.dumps([w.url for w in engine.fleet.workers])}"]
-    _build(_cfg(tmp_path, urls)).close()  # the same flags: it connects
-    with pytest.raises(ServerLaunchError, match=r"^rollout.sglang.urls\[0\]: http://\S+ was "
-                       r"started with --tp-size 1, rollout.sglang.tp is 2 "):
-        _build(_cfg(tmp_path, [*urls, "rollout.sglang.tp=2"]))
+    with _holding(engine):
+        _build(_cfg(tmp_path, urls)).close()  # the same flags: it connects
+        with pytest.raises(ServerLaunchError, match=r"^rollout.sglang.urls\[0\]: http://\S+ "
+                           r"was started with --tp-size 1, rollout.sglang.tp is 2 "):
+            _build(_cfg(tmp_path, [*urls, "rollout.sglang.tp=2"]))
 
 
 def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
@@ -338,7 +357,8 @@ def test_router_unreachable_and_unhealthy_servers(engine, tmp_path):
     fast = ["rollout.sglang.startup_timeout_s=2", "rollout.sglang.health_interval_s=0.2"]
     cfg = _cfg(tmp_path, [f"rollout.sglang.urls=[\"{live}\"]",
                           "rollout.sglang.router_url=http://127.0.0.1:9", *fast])
-    with pytest.raises(ServerLaunchError, match=r"rollout.sglang.router_url: http://127.0.0.1:9"):
+    with _holding(engine), pytest.raises(ServerLaunchError,
+                                         match=r"rollout.sglang.router_url: http://127.0.0.1:9"):
         _build(cfg)
     cfg = _cfg(tmp_path, ["rollout.sglang.urls=[\"http://127.0.0.1:9\"]", *fast])
     with pytest.raises(ServerLaunchError, match=r"rollout.sglang.urls\[0\]"):
@@ -374,17 +394,19 @@ def test_no_engine_for_too_long_names_engines_and_logs(tmp_path):
 
 
 def test_a_fleet_fails_loudly_before_an_engine_binds_it():
-    """The engine's hooks (resync, restarted, asleep) come once, by bind; a fleet used before
-    has no way to probe or resync a server, and says so."""
+    """The owner of the servers' weights (asleep, restarted, resync, may_recover) comes once, by
+    bind; a fleet used before has no way to probe or resync a server, and says so."""
+    from sglang_fixtures import Owner
+
     w = Worker("http://127.0.0.1:9", state="ready")
     fleet = Fleet([w], health=HealthSettings(timeout_s=1))
     for use in (fleet.start_heartbeat, lambda: fleet.report_failure(w.url, OSError("reset"))):
-        with pytest.raises(RolloutEngineError, match="before an engine bound its hooks"):
+        with pytest.raises(RolloutEngineError, match="before an engine bound its weight owner"):
             use()
-    hooks = EngineHooks(resync=lambda ws: None, restarted=lambda w: None, asleep=lambda u: False)
-    fleet.bind(hooks)
+    owner = Owner()
+    fleet.bind(owner)
     with pytest.raises(RolloutEngineError, match="bound to an engine already"):
-        fleet.bind(hooks)
+        fleet.bind(owner)
     fleet.report_failure(w.url, OSError("reset"))  # bound: nobody answers there, it is dead
     assert w.state == "dead"
 
@@ -412,8 +434,9 @@ def test_weights_wait_for_a_server_still_starting(tmp_path):
     w = Worker(f"http://127.0.0.1:{port}")  # stale: no weights yet
     fleet = Fleet([w], health=HealthSettings(no_engine_timeout_s=0.3, interval_s=0.05,
                                              timeout_s=2))
-    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
-                           asleep=lambda url: False))
+    from sglang_fixtures import Owner
+
+    fleet.bind(Owner())
     with pytest.raises(EnginesUnavailable, match="no_engine_timeout_s"):
         with fleet.weight_targets():
             pass
@@ -462,8 +485,9 @@ def test_a_stopping_run_waits_for_no_server_and_restarts_none(tmp_path):
     fleet.beat()
     assert w.restarts == 0 and w.state == "dead"
     stopping.clear()  # nor does a beat that runs on once the heartbeat was told to stop (close)
-    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
-                           asleep=lambda url: False))
+    from sglang_fixtures import Owner
+
+    fleet.bind(Owner())
     fleet.stop_heartbeat()
     fleet.beat()
     assert w.restarts == 0 and w.state == "dead"
@@ -486,7 +510,7 @@ def test_a_version_read_across_a_push_retires_nobody():
             if self.path == "/model_info":  # read at version 4, then a push to 5 completes
                 body = json.dumps({"weight_version": "4"}).encode()
                 with fleet_of[0].weight_targets():
-                    fleet_of[0].version = 5
+                    fleet_of[0].owner.version = 5
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -501,14 +525,14 @@ def test_a_version_read_across_a_push_retires_nobody():
     try:
         w = Worker(f"http://127.0.0.1:{server.server_address[1]}", state="ready")
         fleet = Fleet([w], health=HealthSettings(interval_s=60, timeout_s=5))
-        resynced: list = []
-        fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
-                               asleep=lambda url: False))
+        from sglang_fixtures import Owner
+
+        owner = Owner(version=4)
+        fleet.bind(owner)
         fleet_of.append(fleet)
-        fleet.version = 4
         fleet.beat()
         assert fleet.version == 5 and w.state == "ready", fleet.events
-        assert resynced == [] and fleet.events == [], fleet.events
+        assert owner.resynced == [] and fleet.events == [], fleet.events
     finally:
         server.shutdown()
         server.server_close()
@@ -541,9 +565,9 @@ def test_a_server_the_heartbeat_restarted_outlives_the_heartbeat(tmp_path):
                       tmp_path / "engine0.log")
     w = Worker(spec.url, spec=spec, state="dead", last_error="killed")
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
-    fleet.bind(EngineHooks(resync=lambda ws: None, restarted=lambda w: None,
-                           asleep=lambda url: False))
-    fleet.version = 0
+    from sglang_fixtures import Owner
+
+    fleet.bind(Owner(version=0))
     fleet.start_heartbeat()
     try:
         deadline = time.monotonic() + 60
@@ -575,14 +599,14 @@ def test_a_server_that_dies_while_stale_is_restarted(tmp_path):
     gone = ServerSpec(0, spec.url, [sys.executable, "-c", "pass"], spec.log_path).process()
     gone.start().popen.wait(30)
     w = Worker(spec.url, spec=spec, process=gone, state="stale", last_error="resync failed")
-    resynced: list = []
+    from sglang_fixtures import Owner
+
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
-    fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
-                           asleep=lambda url: False))
-    fleet.version = 0
+    owner = Owner(version=0)
+    fleet.bind(owner)
     try:
         fleet.beat()
-        assert w.restarts == 1 and w.state == "ready" and resynced == [[w]], fleet.events
+        assert w.restarts == 1 and w.state == "ready" and owner.resynced == [[w]], fleet.events
         assert w.process is not gone and w.process.alive()
     finally:
         fleet.close()
@@ -605,18 +629,18 @@ def test_a_restarted_server_that_lost_its_port_is_neither_synced_nor_admitted(tm
     spec = ServerSpec(0, other.url, [sys.executable, "-c", "import time; time.sleep(60)"],
                       tmp_path / "engine0.log")  # alive, never binds: as one that lost the race
     w = Worker(spec.url, spec=spec, state="dead", last_error="killed")
-    resynced: list = []
+    from sglang_fixtures import Owner
+
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=5))
-    fleet.bind(EngineHooks(resync=resynced.append, restarted=lambda w: None,
-                           asleep=lambda url: False))
-    fleet.version = 0
+    owner = Owner(version=0)
+    fleet.bind(owner)
     other.start()
     try:
         deadline = time.monotonic() + 60
         while holds_port(other, port) is not True and time.monotonic() < deadline:
             time.sleep(0.05)
         fleet.beat()
-        assert w.restarts == 1 and w.state == "dead" and resynced == [], fleet.events
+        assert w.restarts == 1 and w.state == "dead" and owner.resynced == [], fleet.events
         assert "lost its port" in w.last_error and not w.process.alive()
     finally:
         fleet.close()

@@ -396,3 +396,41 @@ def test_the_placements_nodes_must_be_the_ranks_hosts():
     with pytest.raises(PlacementError, match="nodes 0 and 1 of the placement .* both host a"):
         check_nodes(["a", "a", "a", "a"], per_node=2)  # LOCAL_WORLD_SIZE too small
     check_nodes(["a", "a"], per_node=1, gpus=False)  # CPU stand-ins take no GPU: allowed
+
+
+SLOW_STUB = ["{python}", "-c", "import http.server as h, sys, time\n"
+             "time.sleep(3)  # the first start's DeepGEMM compile\n"
+             "class H(h.BaseHTTPRequestHandler):\n"
+             "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+             "    def log_message(self, *a): pass\n"
+             "h.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()",
+             "{host}", "{port}"]
+
+
+def test_an_fp8_fleet_waits_for_its_kernels_once_per_cache(tmp_path, monkeypatch):
+    """An FP8 server's first start compiles DeepGEMM's kernels (SGLang: "typically 10-20 mins"),
+    far past startup_timeout_s: the first start on a cold cache waits up to compile_timeout_s,
+    marks the cache warm for its model shape once healthy, and later starts are held to
+    startup_timeout_s again. Before: 900 s, and the launch failed."""
+    from engine_contexts import context_of
+    from megapkl.rollout.sglang.build import launch_fleet
+    from megapkl.rollout.sglang.kernels import cache_dir
+
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    for var in ("SGLANG_DG_CACHE_DIR", "SGLANG_JIT_DEEPGEMM_PRECOMPILE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _cfg("rollout.fp8=true", f"rollout.sglang.server_command={json.dumps(SLOW_STUB)}",
+               "rollout.sglang.use_router=false", "rollout.sglang.startup_timeout_s=1",
+               "rollout.sglang.compile_timeout_s=120", "rollout.sglang.base_port=30420",
+               f"run_dir={tmp_path}")
+    launch = lambda: launch_fleet(cfg.rollout, context_of(cfg, _hf()), _hf(),  # noqa: E731
+                                  tmp_path / "sglang", _Tok())
+    launch().close()  # cold: compiles (3 s) within compile_timeout_s
+    assert len(list((cache_dir() / "megapkl-warm").iterdir())) == 1
+    with pytest.raises(ServerLaunchError, match="not healthy after 1 s"):
+        launch()  # warm: held to startup_timeout_s (the stub still takes 3 s)
+    monkeypatch.setenv("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "0")  # nothing compiles at start
+    cold = load_config("configs/demo/cpu_demo.yaml", ["rollout.engine=sglang", "rollout.fp8=true"])
+    from megapkl.rollout.sglang.kernels import startup_deadline
+
+    assert startup_deadline(cold.rollout.sglang, True, _hf()) == (900.0, None)

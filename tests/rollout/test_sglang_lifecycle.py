@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_fixtures import free_port, http
-from megapkl.rollout.sglang.fleet import EngineHooks, Fleet, HealthSettings, Worker
+from sglang_fixtures import Owner, free_port, http
+from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.launch import ServerProcess, ServerSpec, wait_healthy
 
 
@@ -27,11 +27,6 @@ def _start(tmp_path: Path, name: str, port: int, *extra: str, env=None) -> Serve
     wait_healthy(proc, url, first_wait_s=0, interval_s=0.2, timeout_s=30, deadline_s=240,
                  route="model_info")
     return proc
-
-
-def _hooks(resync=lambda ws: None, asleep=lambda url: False) -> EngineHooks:
-    """What an engine would bind: here the test's own resync record and released set."""
-    return EngineHooks(resync=resync, restarted=lambda w: None, asleep=asleep)
 
 
 @pytest.fixture
@@ -50,7 +45,7 @@ def test_a_released_server_is_never_sent_a_generation(tmp_path, procs):
     procs.append(w.process)
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=30, max_failures=1))
     released: set[str] = set()
-    fleet.bind(_hooks(asleep=lambda url: url in released))
+    fleet.bind(Owner(asleep=lambda w: w.url in released))
     assert http("POST", w.url + "/release_memory_occupation", {})[0] == 200
     released.add(w.url)
     for _ in range(3):
@@ -73,7 +68,7 @@ def test_a_long_disk_load_does_not_get_its_server_killed(tmp_path, procs):
     procs.append(proc)
     w = Worker(f"http://127.0.0.1:{port}", process=proc, state="ready")
     fleet = Fleet([w], health=HealthSettings(interval_s=0.2, timeout_s=30, max_failures=2))
-    fleet.bind(_hooks())
+    fleet.bind(Owner())
     fleet.start_heartbeat()
     try:
         with fleet.weight_targets() as targets:
@@ -95,9 +90,8 @@ def test_a_foreign_server_on_a_killed_servers_port_is_never_admitted(tmp_path, p
     procs.append(first)
     w = Worker(f"http://127.0.0.1:{port}", state="ready")  # not launched by the fleet
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=30, max_failures=1))
-    fleet.version = 1
-    synced: list[str] = []
-    fleet.bind(_hooks(resync=lambda ws: synced.extend(x.url for x in ws)))
+    owner = Owner(version=1)
+    fleet.bind(owner)
     fleet.beat()
     assert w.state == "ready" and w.identity is not None, w.describe()
     first.stop(grace_s=1.0)
@@ -107,7 +101,7 @@ def test_a_foreign_server_on_a_killed_servers_port_is_never_admitted(tmp_path, p
     procs.append(other)
     for _ in range(3):
         fleet.beat()
-    assert w.state == "dead" and not synced, (w.describe(), synced)
+    assert w.state == "dead" and not owner.resynced, (w.describe(), owner.resynced)
     assert "another server answers" in w.last_error, w.last_error
 
 
@@ -125,10 +119,34 @@ def test_a_launched_server_whose_port_is_taken_is_not_admitted(tmp_path, procs):
                state="dead")
     fleet = Fleet([w], health=HealthSettings(interval_s=0.1, timeout_s=30, max_failures=1,
                                              deadline_s=240, max_restarts=1))
-    fleet.version = 1
-    synced: list[str] = []
-    fleet.bind(_hooks(resync=lambda ws: synced.extend(x.url for x in ws)))
+    owner = Owner(version=1)
+    fleet.bind(owner)
     fleet.beat()
-    assert w.state != "ready" and not synced, (w.describe(), synced)
+    assert w.state != "ready" and not owner.resynced, (w.describe(), owner.resynced)
     assert "lost its port" in w.last_error, (w.last_error, fleet.events)
     assert "the port is taken" in (fleet.foreign(w) or "")
+
+
+def test_closing_ends_within_seconds_while_a_probe_waits_on_a_hung_server():
+    """The heartbeat's probe of a server that accepts and never answers waits up to
+    health_timeout_s; closing the engine cuts it and joins the heartbeat with a bound. Before:
+    the join waited health_timeout_s + 5 s (and a beat may last longer than that)."""
+    import socket
+
+    from megapkl.rollout.sglang.client import SGLangEngine
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    w = Worker(f"http://127.0.0.1:{sock.getsockname()[1]}", state="ready")
+    fleet = Fleet([w], health=HealthSettings(interval_s=0.05, timeout_s=60, max_failures=1))
+    engine = SGLangEngine(fleet, {}, WeightSync(SyncSettings(timeout_s=60)))  # heartbeat on
+    try:
+        time.sleep(0.5)  # the first probe is waiting on the server
+        t0 = time.monotonic()
+        engine.close()
+        took = time.monotonic() - t0
+        assert took < 5 and not fleet._thread.is_alive(), (took, fleet.events)
+    finally:
+        sock.close()

@@ -72,11 +72,13 @@ def test_each_mode_leaves_exact_weights_in_order(server, mode, tmp_path):
     assert len(seen) == 2 and [n for b in seen for n in b] == [n for n, _ in sent]  # 2 buckets
     update = {"tensor": "update_weights_from_tensor", "disk": "update_weights_from_disk",
               "distributed": "update_weights_from_distributed"}[mode]
-    expect = ["pause_generation", "flush_cache", "begin_weight_update"]
+    session = mode != "disk"  # a disk load post-processes on its own: no session around it
+    expect = ["pause_generation", "flush_cache"] + ["begin_weight_update"] * session
     expect += ["init_weights_update_group"] if mode == "distributed" else []
     expect += [update] * (1 if mode == "disk" else 2)
-    expect += ["end_weight_update", "update_weight_version", "continue_generation"]
+    expect += ["end_weight_update"] * session + ["update_weight_version", "continue_generation"]
     assert st["routes"] == expect
+    assert st["post_processed"] == 1  # SGLang post-processes the pushed weights once
     if mode == "distributed":  # the group is kept for the next sync of the same servers
         server.post("clear")
         sync.push([Target(server.url)], _weights(1), version=6)
@@ -158,13 +160,29 @@ def test_failed_update_names_server_and_lets_generation_continue(server, tmp_pat
     assert info.value.unreachable == dead
 
 
-def test_colocated_release_then_resume_before_the_push(server):
+def _colocated(server, **kw):
+    """The weight owner of a one-server colocated fleet (what SGLangEngine makes)."""
+    from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+    from megapkl.rollout.sglang.weight_state import WeightState
+
+    fleet = Fleet([Worker(server.url, state="ready")], health=HealthSettings(timeout_s=30))
     sync = WeightSync(SyncSettings(mode="tensor", colocate=True, timeout_s=30))
-    sync.release_memory([Target(server.url)])
-    sync.release_memory([Target(server.url)])  # already released: no second call
-    sync.push([Target(server.url)], _weights(), version=2)
-    sync.push([Target(server.url)], _weights(), version=3)  # not released: nothing to resume
+    return WeightState(fleet, sync, colocate=True, **kw)
+
+
+def test_colocated_release_then_resume_before_the_push(server):
+    """Each release is preceded by an aborting pause and a flush (SGLang asserts an idle
+    scheduler), and generation continues after it; a push resumes the memory first, once."""
+    state = _colocated(server)
+    state.push(_weights(), version=1)
+    server.post("clear")
+    state.release()
+    state.release()  # already released: no second call
+    state.push(_weights(), version=2)
+    state.push(_weights(), version=3)  # not released: nothing to resume
     routes = server.state()["routes"]
+    assert routes[:5] == ["pause_generation", "flush_cache", "release_memory_occupation",
+                          "continue_generation", "resume_memory_occupation"]
     assert routes.count("release_memory_occupation") == 1
     assert routes.count("resume_memory_occupation") == 1
     assert routes.index("resume_memory_occupation") < routes.index("begin_weight_update")
@@ -176,16 +194,17 @@ def test_the_cache_is_freed_before_the_server_resumes(server):
     asked when it runs: the release, not yet the resume."""
     from megapkl.rollout.sglang.weights import free_cached_memory
 
-    sync = WeightSync(SyncSettings(mode="tensor", colocate=True, timeout_s=30))
-    assert sync.free_memory is free_cached_memory
     routes_at_free = []
-    sync.free_memory = lambda: routes_at_free.append(list(server.state()["routes"]))
-    sync.release_memory([Target(server.url)])
-    sync.push([Target(server.url)], _weights(), version=2)
+    state = _colocated(server, free_memory=lambda: routes_at_free.append(
+        list(server.state()["routes"])))
+    assert _colocated(server).free_memory is free_cached_memory
+    state.push(_weights(), version=1)
+    state.release()
+    state.push(_weights(), version=2)
     assert len(routes_at_free) == 1 and "release_memory_occupation" in routes_at_free[0]
     assert "resume_memory_occupation" not in routes_at_free[0]
     assert "resume_memory_occupation" in server.state()["routes"]
-    sync.push([Target(server.url)], _weights(), version=3)  # nothing to resume: nothing freed
+    state.push(_weights(), version=3)  # nothing to resume: nothing freed
     assert len(routes_at_free) == 1
     free_cached_memory()  # on this host: no CUDA, no group, nothing to do and no error
 

@@ -62,3 +62,36 @@ def _agreed_failure(rank, world):  # noqa: ARG001
 def test_a_failure_every_rank_raises_alike_is_not_told(dist_run):
     """An agreed failure goes on as it is (its checkpoint collectives must not be aborted)."""
     assert dist_run(_agreed_failure, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("env,aborts", [(None, True), ("2", True), ("0", True), ("1", False),
+                                        ("3", False)])
+def test_the_notice_aborts_nccl_only_where_the_watchdog_leaves_the_process(monkeypatch, env,
+                                                                           aborts):
+    """torch documents its process-group abort for TORCH_NCCL_ASYNC_ERROR_HANDLING=0; under 1
+    (TearDown) and 3 (SkipCleanUp, the default) the watchdog rethrows the aborted work's error in
+    its own thread and the process dies before its line. megapkl makes its NCCL groups under 2
+    (CleanUpOnly) unless the environment names a mode, and the notice aborts only under 0 or 2.
+    Before: the profiles set 1 and the notice aborted all the same."""
+    from megapkl.parallel.groups import nccl_error_handling, use_nccl_clean_up_only
+    from megapkl.train.failure_notice import may_abort
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    if env is not None:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", env)
+    use_nccl_clean_up_only()  # what the NCCL launch does before its first group
+    assert nccl_error_handling() == int(env or 2)
+    assert may_abort() is aborts
+
+
+def test_the_cluster_profiles_make_nccl_groups_the_notice_may_abort():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "slurm"
+    for name in ("h100", "h200"):
+        env = yaml.safe_load((root / "profiles" / f"{name}.yaml").read_text())["env"]
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", name
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=2\n" in (root / "sbatch_template.sh").read_text()

@@ -58,3 +58,52 @@ def test_a_unit_waits_for_the_versions_it_was_told_of():
     p.published(3)
     assert p.take(3) == ("ok", 3)
     p.stop()
+
+
+def _hung_server():
+    """A listening socket that accepts and never answers: a server whose scheduler hangs."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_stop_behind_a_request_to_a_hung_server_ends_within_seconds():
+    """The unit in progress is in an engine call to a server that never answers (a push here,
+    whose calls wait up to sync_timeout_s; a generation waits up to request_timeout_s, an
+    hour by default). stop() cuts the engine's calls and joins with a bound. Before: it joined
+    without one, and the run's exit waited for the server's timeout."""
+    import time
+
+    import torch
+
+    from megapkl.rollout.sglang.client import SGLangEngine
+    from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+    from megapkl.rollout.sglang.weights import SyncSettings, WeightSync
+
+    sock, url = _hung_server()
+    engine = SGLangEngine(Fleet([Worker(url, state="ready")], health=HealthSettings(timeout_s=60)),
+                          {}, WeightSync(SyncSettings(mode="tensor", timeout_s=60)),
+                          heartbeat=False)
+    started = threading.Event()
+
+    def work(key):
+        started.set()
+        engine.update_weights([("w", torch.zeros(4))], version=key)
+        return ("ok", key)
+
+    p = _producer(work)
+    try:
+        p.plan([0])
+        assert started.wait(30)
+        time.sleep(0.2)  # inside its call to the hung server
+        t0 = time.monotonic()
+        ended = p.stop(interrupt=engine.interrupt)
+        took = time.monotonic() - t0
+        assert ended and took < 5, took
+        assert "megapkl-rollout-producer" not in _threads()
+    finally:
+        engine.close()
+        sock.close()

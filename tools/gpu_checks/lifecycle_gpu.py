@@ -140,7 +140,7 @@ def main() -> int:
         print(json.dumps({"check": "lifecycle", "ok": False, "error": "no CUDA device"}))
         return 1
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # as the trainer makes groups
     rows = []
     for name, run in (("update_group", lambda: check_update_group(device)),
                       ("free_before_resume", lambda: check_free_before_resume(device,

@@ -10,7 +10,10 @@ built with transformers' config classes (no downloads) it prints one JSON line p
 
 Run (a device session; megatron-core is not in the GPU image: carry its wheel, and the
 transformers the project pins, 5.x, whose Qwen3 / Qwen3-MoE names the checkpoints use):
-    python tools/gpu_checks/models_te_bf16.py            # --no-te to force the local spec
+    python tools/gpu_checks/models_te_bf16.py            # --no-te to check the local spec
+Without `--no-te` this is a check of Transformer Engine's layer spec: when TE does not import (or
+there is no GPU) it fails at once, exit status 1 and one JSON line naming the cause, instead of
+checking the local spec under its name. The exit status is also 1 when a model's check raised.
 Expected (measured with the local spec in BF16 on CPU, where the script also runs): logits within
 ~1e-2 of fp32 HF (HF's own BF16 differs from its fp32 by as much), export exact, grad norms within
 1e-3 relative, parameters after the step within one BF16 ulp of the BF16-rounded reference.
@@ -123,10 +126,25 @@ def check(moe: bool, use_te, out: dict) -> None:
     out["param_step_size"] = LR
 
 
-def main() -> None:
+def te_missing() -> str | None:
+    """Why Transformer Engine's layer spec cannot run here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from megapkl.models.provider import te_import_error
+
+    return te_import_error()
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-te", action="store_true", help="force megatron's local spec")
-    args = parser.parse_args()
+    parser.add_argument("--no-te", action="store_true", help="check megatron's local spec instead")
+    args = parser.parse_args(argv)
+    missing = None if args.no_te else te_missing()
+    if missing is not None:
+        print(json.dumps({"check": "transformer_engine", "ok": False, "error": (
+            f"Transformer Engine cannot run here ({missing}): this checks TE's layer spec; "
+            "install it (docs/install.md) or pass --no-te to check the local spec")}), flush=True)
+        return 1
     from megapkl.parallel.groups import init_parallel
 
     init_parallel(seed=1, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -135,14 +153,15 @@ def main() -> None:
         out = {"model": "tiny-qwen3-moe" if moe else "tiny-qwen3",
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         try:
-            check(moe, False if args.no_te else None, out)
+            check(moe, False if args.no_te else True, out)  # TE requested: no silent fallback
         except Exception as exc:  # noqa: BLE001 - report and go on to the next model
             out["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(out), flush=True)
         results.append(out)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "models_te_bf16.json").write_text(json.dumps(results, indent=2))
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

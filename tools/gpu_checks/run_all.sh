@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, on one GPU, in under 9 minutes, without network:
+# The GPU checks in one command, on one GPU, in under 11 minutes, without network:
 #   tools/gpu_checks/run_all.sh          # GPU: installs tools/gpu_checks/wheels/*.whl first
 #   tools/gpu_checks/run_all.sh --cpu    # the same scripts and code paths on CPU (gloo, tiny)
 # 1. train_gpu.py: bf16 train steps of a Qwen3-1.7B-shaped model through the trainer (NCCL, world
@@ -8,7 +8,10 @@
 #    checkpoint and exit), resume to the end;
 # 3. fp8_gpu.py: block-FP8 quantization of a Qwen3-8B-shaped export on the GPU (goal <= 1 s);
 # 4. lifecycle_gpu.py: the weight-update group does not split a device-bound default group, and
-#    the trainer's cached blocks are freed before a colocated server resumes.
+#    the trainer's cached blocks are freed before a colocated server resumes;
+# 5. notice_gpu.py: a rank failing outside an agreement ends its peer's NCCL collective through
+#    the failure notice's abort (two processes, on one GPU or two), one line on both;
+# 6. threads_gpu.py: work on megapkl's threads lands on the rank's GPU (needs two GPUs to tell).
 # Each check's JSON and log land in $OUT (default $TMPDIR/megapkl_gpu_checks); the last line
 # printed is one JSON summary (also summary.json). Exit status 1 when a check failed.
 set -uo pipefail
@@ -25,7 +28,9 @@ if [ "${1:-}" = "--cpu" ]; then
   LAUNCH=(--device cpu --steps 20 --timeout 300)  # long enough that SIGTERM lands mid-run
   FP8=(--device cpu --small --repeats 1)
   LIFECYCLE=(--device cpu)
-  LIMITS=(900 900 300 120)
+  NOTICE=(--device cpu)
+  THREADS=(--device cpu)
+  LIMITS=(900 900 300 120 180 120)
 else
   MODE=gpu
   WHEELS="$ROOT/tools/gpu_checks/wheels"
@@ -42,7 +47,9 @@ else
   LAUNCH=(--steps 30 --timeout 60)
   FP8=()
   LIFECYCLE=()
-  LIMITS=(330 100 60 40)   # 9 min at most, the installation above included in the margin
+  NOTICE=()
+  THREADS=()
+  LIMITS=(330 100 60 40 90 45)   # 11 min at most, the installation above in the margin
 fi
 export PYTHONUNBUFFERED=1
 
@@ -56,4 +63,6 @@ check train "${LIMITS[0]}" tools/gpu_checks/train_gpu.py "${TRAIN[@]}"
 check launch "${LIMITS[1]}" tools/gpu_checks/launch_gpu.py "${LAUNCH[@]}"
 check fp8 "${LIMITS[2]}" tools/gpu_checks/fp8_gpu.py "${FP8[@]}"
 check lifecycle "${LIMITS[3]}" tools/gpu_checks/lifecycle_gpu.py "${LIFECYCLE[@]}"
+check notice "${LIMITS[4]}" tools/gpu_checks/notice_gpu.py "${NOTICE[@]}"
+check threads "${LIMITS[5]}" tools/gpu_checks/threads_gpu.py "${THREADS[@]}"
 exec "$PY" tools/gpu_checks/summary.py "$OUT_DIR" "$MODE"

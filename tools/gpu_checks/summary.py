@@ -32,19 +32,25 @@ def main(argv: list[str]) -> int:
     quant, bound = fp8.get("export_quantize", {}), fp8.get("error_bound", {})
     cycle = {row.get("check"): row for row in lines(out / "lifecycle.json")}
     lifecycle = {"checks": cycle}
+    notice = next(iter(lines(out / "notice.json")), {})
+    threads = next(iter(lines(out / "threads.json")), {})
     verdicts = {
         "train": status.get("train") == "0" and train.get("ok") is True,
         "launch": status.get("launch") == "0" and launch.get("ok") is True,
         "fp8": status.get("fp8") == "0" and bound.get("ok") is True,
         "lifecycle": status.get("lifecycle") == "0" and len(cycle) == 2
         and all(row.get("ok") is True for row in cycle.values()),
+        "notice": status.get("notice") == "0" and notice.get("ok") is True,
+        "threads": status.get("threads") == "0" and threads.get("ok") is True,
     }
     failed = {name: {"exit": status.get(name),
-                     "checks": [k for k, c in res.get("checks", {}).items() if not c.get("ok")],
+                     "checks": [k for k, c in res.get("checks", {}).items()
+                                if not (c.get("ok") if isinstance(c, dict) else c)],
                      "log_tail": (out / f"{name}.log").read_text(errors="replace")
                      .splitlines()[-5:] if (out / f"{name}.log").exists() else []}
               for name, res in (("train", train), ("launch", launch), ("fp8", bound),
-                                ("lifecycle", lifecycle))
+                                ("lifecycle", lifecycle), ("notice", notice),
+                                ("threads", threads))
               if not verdicts[name]}
     summary = {
         "ok": all(verdicts.values()), "mode": argv[1] if len(argv) > 1 else "gpu",
@@ -59,6 +65,10 @@ def main(argv: list[str]) -> int:
             "split_count_before", "split_count_after_update_group",
             "split_count_after_control_new_group")},
         "resume_fits_after_free": cycle.get("free_before_resume", {}).get("ok"),
+        "notice_mode": notice.get("mode"),
+        "notice_left_after_fault_s": notice.get("left_after_fault_s"),
+        "thread_devices": {"gpus": threads.get("gpus"), "skipped": threads.get("skipped"),
+                           "seen": threads.get("seen")},
         "seconds": {"train": train.get("total_s"), "launch": launch.get("total_s")},
         "failed": failed,
     }

@@ -6,13 +6,14 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megapkl.parallel.threads import rank_executor
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
+from megapkl.rollout.sglang.kernels import mark_warm, startup_deadline
 from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address,
                                            plan_servers, refuse_remote_tensor_sync,
                                            releases_memory, router_command,
@@ -142,12 +143,14 @@ def fleet_lane(rollout: Any, ctx: Any) -> Lane:
                             f"replica {ctx.replica} (placement: {owners[ctx.replica]})")
 
 
-def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str) -> None:
+def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str,
+              deadline_s: Optional[float] = None) -> None:
     def one(p: ServerProcess) -> None:
         wait_healthy(p, p.url, first_wait_s=health.first_wait_s,
                      interval_s=min(health.interval_s, 1.0), timeout_s=health.timeout_s,
-                     deadline_s=health.deadline_s, what=f"{what} {p.name}")
-    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+                     deadline_s=health.deadline_s if deadline_s is None else deadline_s,
+                     what=f"{what} {p.name}")
+    with rank_executor(max(1, len(procs)), "sglang-wait") as pool:
         for f in [pool.submit(one, p) for p in procs]:
             f.result()
 
@@ -182,10 +185,13 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
     workers = [Worker(s.url, s.tp, spec=s) for s in specs]
     router: Optional[ServerProcess] = None
     router_url: Optional[str] = None
+    # a cold DeepGEMM cache makes FP8 servers compile at their first start (kernels.py)
+    deadline, mark = startup_deadline(sg, rollout.fp8, hf_config)
     try:
         for w in workers:
             w.process = w.spec.process().start()
-        _wait_all([w.process for w in workers], health, "rollout.sglang: engine")
+        _wait_all([w.process for w in workers], health, "rollout.sglang: engine", deadline)
+        mark_warm(mark)
         if sg.use_router:
             port, metrics = router_ports(sg, lane.lane, lane.lanes)
             router_url = f"http://{local_address(sg.host)}:{port}"
@@ -225,7 +231,7 @@ def connect_fleet(sg: Any, want: Expected, stopping: Callable[[], bool] = lambda
         except ServerLaunchError as exc:
             raise ServerLaunchError(f"{key}: {url} is unreachable or unhealthy ({exc})") from None
         return check_served(key, url, want, timeout_s=health.timeout_s) if is_server else {}
-    with ThreadPoolExecutor(len(named)) as pool:
+    with rank_executor(len(named), "sglang-connect") as pool:
         infos = [f.result() for f in [pool.submit(one, x) for x in named]]
     return Fleet([Worker(u, sg.tp) for u in sg.urls], health=health, router_url=sg.router_url,
                  stopping=stopping,

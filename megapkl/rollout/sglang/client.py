@@ -15,21 +15,21 @@ flight on the failed server. Every Sample carries the weight version its server 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from typing import Any, Iterable, Optional, Sequence
 
 from torch import Tensor
 
+from megapkl.parallel.threads import rank_executor
 from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingParams,
                                     WeightUpdateError, check_generate_args)
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.answers import AnswerStore, request_key
-from megapkl.rollout.sglang.fleet import EngineHooks, Fleet, Worker
+from megapkl.rollout.sglang.fleet import Fleet
 from megapkl.rollout.sglang.protocol import (Decoded, ProtocolError, as_response_list,
                                              decode_response, generate_payload, is_batch)
-from megapkl.rollout.sglang.weights import Target, WeightSync
+from megapkl.rollout.sglang.weight_state import WeightState
+from megapkl.rollout.sglang.weights import WeightSync
 from megapkl.rollout.version_store import StoredVersion
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,12 @@ class SGLangEngine(RolloutEngine):
     """Rollouts from SGLang-API servers (SGLang itself, or `megapkl serve`).
 
     Args:
-        fleet: the servers (and router) with their states; it takes this engine's hooks and
-            its heartbeat starts here. The engine owns it from here on: `close` stops it.
+        fleet: the servers (and router) with their states; it is bound to the owner of what its
+            servers hold (`weight_state`, made here) and its heartbeat starts here. The engine
+            owns it from here on: `close` stops it.
         hf_config: the trainer model's HF config mapping (MoE layers for routed experts).
-        sync: the weight sync (mode, buckets, pause mode, transform).
+        sync: the weight push (mode, buckets, pause mode, transform); its calls go through the
+            fleet's connections, so that closing the engine cuts them.
         tokenizer: fills Sample.response_text (servers run with --skip-tokenizer-init).
         answers: where a failed batch leaves its answered groups for the resumed run (answers.py).
     """
@@ -57,18 +59,18 @@ class SGLangEngine(RolloutEngine):
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
-        self._weights: Optional[list[tuple[str, Tensor]]] = None
         self.answers = answers or AnswerStore(None)
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-req")
-        fleet.bind(EngineHooks(resync=self._resync, restarted=lambda w: self.sync.forget(w.url),
-                               asleep=lambda url: url in self.sync.released))
+        self._pool = rank_executor(max_concurrency, "sglang-req")
+        sync.connections = fleet.connections
+        self.weight_state = WeightState(fleet, sync, colocate=sync.s.colocate,
+                                        export_dir=sync.export_dir, hf_config=sync.hf_config)
         if heartbeat:
             fleet.start_heartbeat()
 
     # ---- interface: state -----------------------------------------------------------------
     @property
     def version(self) -> Optional[int]:
-        return self.fleet.version
+        return self.weight_state.version
 
     def health(self) -> dict[str, Any]:
         self._check_alive()
@@ -83,7 +85,8 @@ class SGLangEngine(RolloutEngine):
 
     def close(self) -> None:
         """Requests cancelled, the weight-update group left (the servers told to leave it too),
-        the heartbeat and the servers and router megapkl launched stopped."""
+        the heartbeat and the servers and router megapkl launched stopped. Bounded: the open
+        connections are cut first (`interrupt`), so nothing waits on a hung server."""
         if not self._closed:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self.fleet.stop_heartbeat()  # no resync makes a new group while ours is left
@@ -93,73 +96,31 @@ class SGLangEngine(RolloutEngine):
                 self.fleet.close()
         super().close()
 
+    def interrupt(self) -> None:
+        """Cut every request and weight call in flight, and fail every later one at once: the
+        engine is about to close (a thread generating ahead ends within seconds)."""
+        self.fleet.connections.close()
+
+    def idle(self) -> None:
+        """The trainer takes its GPUs back: colocated servers release their memory (after a push
+        that no generation follows: a resume's load, an evaluation's way back)."""
+        self._check_alive()
+        self.weight_state.release()
+
     # ---- interface: weights ------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Push to every server that can take weights now (ready ones, and stale ones that answer),
         then admit them; dead ones get these weights when they come back. A stored version
         (`VersionStore.get`) is pushed from its file and held by reference, never copied; other
-        weights are held as given, for the servers that come back."""
+        weights are held as given, for the servers that come back (weight_state.py)."""
         self._check_alive()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise WeightUpdateError(f"version must be an int >= 0, got {version!r}")
-        # A stored version is held as a reference to its file, never copied; other weights are
-        # kept as given: a restarted server must receive exactly these.
         stored = isinstance(named_tensors, StoredVersion)
         weights = named_tensors if stored else list(named_tensors)
         if not stored and not weights:
             raise WeightUpdateError("update_weights received no tensors")
-        with self.fleet.weight_targets() as targets:
-            if stored:  # under the fleet lock: pinning lets the held version's file go, which a
-                weights = self.sync.pin(named_tensors)  # resync (also under it) may be reading
-            self._push(targets, weights, version)
-
-    def _push(self, targets: list[Worker], weights: Any, version: int) -> None:
-        """Push to `targets` (under the fleet lock) and admit the ones that took the weights. If
-        every target dies during the sync, the weights are still this fleet's: the restarted
-        servers are resynced with them, and the next request waits for one (up to
-        rollout.sglang.no_engine_timeout_s), as for any outage."""
-        while targets:
-            try:
-                self.sync.push([Target(w.url, w.tp) for w in targets], weights, version)
-                break
-            except WeightUpdateError as exc:
-                dead = exc.unreachable
-                if dead is None or self.fleet.by_url(dead) not in targets:
-                    raise
-                # A server died during the sync: it gets these weights when it is back;
-                # the others get them now (again, from the start: all or nothing per server).
-                self.fleet.report_failure(dead, exc)
-                w = self.fleet.by_url(dead)
-                if w.state == "ready":  # answers again, but missed this version
-                    self.fleet.retire(w, "stale", f"missed the sync to version {version}")
-                targets = [w for w in targets if w.url != dead and w.state != "dead"]
-        self._weights, self.fleet.version = weights, version
-        self.fleet.admit(targets)
-
-    def _resync(self, workers: list[Worker]) -> None:
-        if self._weights is None or self.fleet.version is None:
-            raise WeightUpdateError("no weights to resync yet")
-        self.sync.push([Target(w.url, w.tp) for w in workers], self._weights, self.fleet.version)
-
-    def _colocated_memory(self, release: bool) -> None:
-        """Colocated engines (rollout.sglang.colocate): their GPU memory goes to the trainer after
-        each generate and comes back before the next generate or push."""
-        if not self.sync.s.colocate:
-            return
-        with self.fleet.lock:
-            ready = self.fleet.ready()
-            targets = [Target(w.url, w.tp) for w in ready]
-            try:
-                if release:  # not while a heartbeat's /health_generate runs on them
-                    with ExitStack() as held:
-                        for w in ready:
-                            held.enter_context(w.probe)
-                        self.sync.release_memory(targets)
-                else:
-                    self.sync.resume_memory(targets)
-            except (http.ServerError, http.ServerUnreachable) as exc:
-                for w in self.fleet.ready():
-                    self.fleet.report_failure(w.url, exc)
+        self.weight_state.push(weights, version)
 
     # ---- interface: generation -----------------------------------------------------------------
     def new_batch(self) -> None:
@@ -178,7 +139,7 @@ class SGLangEngine(RolloutEngine):
             raise RolloutEngineError("SGLangEngine holds no weights yet: push them with "
                                      "update_weights(named_tensors, version) first")
         group_ids, uids = self._allocate_ids(len(prompts), n)
-        self._colocated_memory(release=False)
+        self.weight_state.hold()
         futures = [self._pool.submit(self._generate_group, p, n, sampling, i)
                    for i, p in enumerate(prompts)]
         samples: list[Sample] = []
@@ -203,7 +164,7 @@ class SGLangEngine(RolloutEngine):
         finally:
             for fut in futures:
                 fut.cancel()
-            self._colocated_memory(release=True)
+            self.weight_state.release()
         return samples
 
     def _generate_group(self, prompt: PromptItem, n: int, sampling: SamplingParams,

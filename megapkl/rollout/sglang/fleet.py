@@ -23,14 +23,24 @@ skips its probes, and a failed probe that overlapped a push is not counted.
 A probe holds its worker's `probe` lock, and the engine holds it to release the memory, so a
 release never meets a running health generation (SGLang asserts it is idle).
 
+What each server holds (its weight version, whether its memory is released) is not the fleet's:
+it belongs to the fleet's weight owner (weight_state.py), bound once by `bind`, which the fleet
+asks which probe a server can take (`asleep`), tells of a restart (`restarted`), asks to resync
+a stale server (`resync`), and asks whether a server may be restarted or resynced now
+(`may_recover`: a colocated server only while the trainer has handed its GPU memory over, since
+SGLang sizes its memory pools from the memory free at its start).
+
 Identity: a worker's `/server_info` `startup_time` (SGLang's tokenizer manager start) is recorded
 when it is admitted. A server answering under the URL that started before we launched our process
 there, or whose startup time changed, is another process (another job's server on a reused port):
 it is never synced, admitted or sent requests.
 
 What the fleet asks of others it takes when made: `stopping` (the run is stopping) as a
-constructor argument, and the engine's `EngineHooks` (resync, restarted, asleep) once, by `bind`,
-when the engine that drives it is made; a fleet used before that raises.
+constructor argument, and its weight owner once, by `bind`, when the engine that drives it is
+made; a fleet used before that raises.
+
+Closing is bounded: `stop_heartbeat` stops the beat, cuts every open connection (a probe or a
+resync blocked on a hung server) and interrupts a restart's wait, then joins with a bound.
 """
 from __future__ import annotations
 
@@ -40,9 +50,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 from urllib.parse import quote, urlsplit
 
+from megapkl.parallel.threads import rank_executor, start_thread
 from megapkl.rollout.engine import RolloutEngineError
 from megapkl.rollout.sglang import http
 from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, ServerSpec,
@@ -66,6 +77,14 @@ class HealthSettings:
 
 
 @dataclass
+class Held:
+    """What one server holds, as it last answered (changed by the fleet's weight owner alone)."""
+
+    version: Optional[int] = None  # the weights it took last (None: none since it started)
+    released: bool = False  # its GPU memory is handed to the trainer (colocated)
+
+
+@dataclass
 class Worker:
     url: str
     tp: int = 1
@@ -77,6 +96,7 @@ class Worker:
     last_error: str = ""
     identity: Optional[float] = None  # the admitted server's /server_info startup_time
     launched_at: Optional[float] = None  # when we (re)started its process (time.time())
+    held: Held = field(default_factory=Held)  # weight_state.py's, per server
     probe: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -89,13 +109,15 @@ class Worker:
         return f"{self.url} ({self.state}{log}){err}"
 
 
-@dataclass(frozen=True)
-class EngineHooks:
-    """What the fleet asks of the engine that drives it (`Fleet.bind`, by SGLangEngine)."""
+class WeightOwner(Protocol):
+    """What the fleet asks of the owner of its servers' weights (weight_state.py)."""
 
-    resync: Callable[[list[Worker]], None]  # push the current weights to these workers
-    restarted: Callable[[Worker], None]  # a fresh server: nothing released, in no update group
-    asleep: Callable[[str], bool]  # the server's memory is handed to the trainer (colocated)
+    version: Optional[int]  # the version every ready server holds (None: none pushed yet)
+
+    def asleep(self, w: Worker) -> bool: ...  # its memory is handed to the trainer
+    def restarted(self, w: Worker) -> None: ...  # a fresh server: nothing released, no weights
+    def resync(self, workers: list[Worker]) -> None: ...  # push the current weights to these
+    def may_recover(self) -> bool: ...  # restarts and resyncs may run now
 
 
 @dataclass
@@ -111,12 +133,14 @@ class Fleet:
 
     def __post_init__(self) -> None:
         self.lock = threading.RLock()  # held by syncs, re-admissions and state changes
-        self.version: Optional[int] = None
-        self._hooks: Optional[EngineHooks] = None
+        self._owner: Optional[WeightOwner] = None
         self._rr = 0
         self._pushes = 0  # bumped when a weight push takes the lock and when it leaves it
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a beat now (the owner allows recoveries again)
         self._thread: Optional[threading.Thread] = None
+        self._recovering = 0  # restarts and resyncs under way (`wait_recoveries`)
+        self._recovered = threading.Condition(self.lock)
         # Restarted servers are started by a thread of the fleet's that ends after they are
         # stopped: Linux sends a server its parent-death signal (launch.py) when the *thread*
         # that started it ends, so one started by the heartbeat would be SIGKILLed, its process
@@ -124,19 +148,24 @@ class Fleet:
         self._launcher: Optional[ThreadPoolExecutor] = None
         self.events: list[tuple[float, str, str]] = []  # (time, url, what) for logs and tests
 
-    def bind(self, hooks: EngineHooks) -> None:
-        """Take the hooks of the engine that drives this fleet (once: one engine per fleet)."""
-        if self._hooks is not None:
+    def bind(self, owner: WeightOwner) -> None:
+        """Take the owner of the servers' weights (once: one engine per fleet)."""
+        if self._owner is not None:
             raise RolloutEngineError("the SGLang fleet is bound to an engine already; build a "
                                      "fleet per engine")
-        self._hooks = hooks
+        self._owner = owner
 
     @property
-    def hooks(self) -> EngineHooks:
-        if self._hooks is None:
-            raise RolloutEngineError("the SGLang fleet is used before an engine bound its hooks "
-                                     "(SGLangEngine(fleet, ...) binds them)")
-        return self._hooks
+    def owner(self) -> WeightOwner:
+        if self._owner is None:
+            raise RolloutEngineError("the SGLang fleet is used before an engine bound its weight "
+                                     "owner (SGLangEngine(fleet, ...) binds it)")
+        return self._owner
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version every ready server holds (the owner's; None before the first push)."""
+        return self._owner.version if self._owner is not None else None
 
     # ------------------------------------------------------------------ states
     def ready(self) -> list[Worker]:
@@ -241,20 +270,23 @@ class Fleet:
         """No server for longer than no_engine_timeout_s, or the run is stopping: a stop signal
         or a Slurm preemption reaches the servers launched in the job too, and the trainer must
         reach its checkpoint rather than wait for them."""
-        if self.stopping():
+        if self.stopping() or self.connections.closed:
             raise self.unavailable(stopping=True)
         if time.monotonic() - t0 > self.health.no_engine_timeout_s:
             raise self.unavailable()
 
     def unavailable(self, stopping: bool = False) -> EnginesUnavailable:
         lines = "\n  ".join(w.describe() for w in self.workers)
-        why = ("no SGLang engine could serve and the run is stopping (a stop signal or a "
-               "preemption)" if stopping else f"no SGLang engine could serve for "
+        why = ("no SGLang engine could serve and the run is stopping (a stop signal, a "
+               "preemption or the engine's close)" if stopping else f"no SGLang engine could serve for "
                f"{self.health.no_engine_timeout_s:.0f} s (rollout.sglang.no_engine_timeout_s)")
         return EnginesUnavailable(f"{why}; engines:\n  {lines}")
 
     def report_failure(self, url: str, exc: BaseException) -> None:
-        """A request to `url` failed: check that worker now (the router: all of them)."""
+        """A request to `url` failed: check that worker now (the router: all of them). Not once
+        the connections are closed (the engine is closing: its requests were cut)."""
+        if self.connections.closed:
+            return
         targets = self.workers if url == self.router_url else [self.by_url(url)]
         for w in targets:
             if w is None or w.state != "ready":
@@ -262,7 +294,7 @@ class Fleet:
             pushes = self._pushes
             if not self._alive(w) and not self._in_push(pushes):
                 w.failures = self.health.max_failures
-                self._declare_dead(w, f"request failed: {exc}")
+                self.declare_dead(w, f"request failed: {exc}")
 
     def report_stale(self, url: str, version: int) -> None:
         w = self.by_url(url)
@@ -278,7 +310,7 @@ class Fleet:
         if w.process is not None and not w.process.alive():
             return False
         with w.probe:
-            route = "model_info" if self.hooks.asleep(w.url) else "health_generate"
+            route = "model_info" if self.owner.asleep(w) else "health_generate"
             try:
                 http.request(w.url, route, timeout=self.health.timeout_s,
                              connections=self.connections)
@@ -327,6 +359,8 @@ class Fleet:
     def beat(self) -> None:
         """One heartbeat over every worker (the loop calls it every interval_s)."""
         for w in list(self.workers):
+            if self._stop.is_set():
+                return
             if w.state == "ready":
                 self._check_ready(w)
             if w.state in ("dead", "stale"):
@@ -340,7 +374,7 @@ class Fleet:
             w.failures = 0
             why = self.foreign(w)
             if why is not None:
-                self._declare_dead(w, why)
+                self.declare_dead(w, why)
                 return
             v = self.server_version(w)
             if self._in_push(pushes):
@@ -351,18 +385,43 @@ class Fleet:
         elif not self._in_push(pushes):
             w.failures += 1
             if w.failures >= self.health.max_failures:
-                self._declare_dead(w, f"{w.failures} failed health checks")
+                self.declare_dead(w, f"{w.failures} failed health checks")
 
-    def _declare_dead(self, w: Worker, reason: str) -> None:
+    def declare_dead(self, w: Worker, reason: str) -> None:
+        """Stop giving `w` requests and, when we launched it, kill it (even when hung: SIGKILL
+        works on SIGSTOP); the heartbeat restarts it when recoveries are allowed."""
         self.retire(w, "dead", reason)
         if w.process is not None:
-            w.process.stop(grace_s=1.0)  # kill it even when hung (SIGKILL works on SIGSTOP)
+            w.process.stop(grace_s=1.0)
+
 
     def _recover(self, w: Worker) -> None:
-        """Restart a dead worker we launched; re-admit a worker once it holds the current weights."""
+        """Restart a dead worker we launched; re-admit a worker once it holds the current weights.
+        Only while the owner allows it (a colocated server: while the trainer's memory is handed
+        over), counted in `_recovering` for `wait_recoveries`."""
+        if self.stopping() or self._stop.is_set():  # (a beat still running when the fleet closes)
+            return
+        with self.lock:
+            if not self.owner.may_recover():
+                return
+            self._recovering += 1
+        try:
+            self._recover_now(w)
+        finally:
+            with self.lock:
+                self._recovering -= 1
+                self._recovered.notify_all()
+
+    def wait_recoveries(self) -> None:
+        """Until no restart or resync is under way (the owner stopped allowing new ones first).
+        Bounded by the restart's own deadline; the heartbeat's stop interrupts it."""
+        with self._recovered:
+            self._recovered.wait_for(lambda: self._recovering == 0 or self._stop.is_set())
+
+    def _recover_now(self, w: Worker) -> None:
         if w.state == "stale" and w.process is not None and not w.process.alive():
             # ours, gone while it waited for weights (e.g. killed by its resync's resume)
-            self._declare_dead(w, f"exited with code {w.process.popen.returncode} while stale")
+            self.declare_dead(w, f"exited with code {w.process.popen.returncode} while stale")
         if w.state == "dead":
             if w.spec is not None:
                 if w.restarts >= self.health.max_restarts or self.stopping() or \
@@ -370,15 +429,15 @@ class Fleet:
                     return
                 w.restarts += 1
                 self._event(w, f"restart {w.restarts}")
-                with self.lock:  # not in the middle of a sync
-                    self.hooks.restarted(w)  # a fresh server: nothing released, in no group
+                self.owner.restarted(w)  # a fresh server: nothing released, no weights
                 w.launched_at, w.identity = time.time(), None
                 w.process = self._start(w.spec)
                 try:
                     wait_healthy(w.process, w.url, first_wait_s=self.health.first_wait_s,
                                  interval_s=min(self.health.interval_s, 1.0),
                                  timeout_s=self.health.timeout_s,
-                                 deadline_s=self.health.deadline_s, what=f"engine{w.spec.index}")
+                                 deadline_s=self.health.deadline_s,
+                                 what=f"engine{w.spec.index}", stop=self._stop.is_set)
                 except ServerLaunchError as exc:
                     w.last_error = str(exc).splitlines()[0]
                     w.process.stop(grace_s=1.0)
@@ -392,16 +451,16 @@ class Fleet:
                 return
             w.state = "stale"
             self._event(w, "stale: back, waiting for weights")
-        if w.state == "stale" and self._alive(w):
+        if w.state == "stale" and not self._stop.is_set() and self._alive(w):
             why = self.foreign(w)
             if why is not None:
-                self._declare_dead(w, why)
+                self.declare_dead(w, why)
                 return
             with self.lock:
-                if self.version is None or w.state == "ready":
+                if self.version is None or w.state != "stale":
                     return  # (an engine-wide push may have admitted it meanwhile)
                 try:
-                    self.hooks.resync([w])
+                    self.owner.resync([w])
                 except Exception as exc:  # noqa: BLE001 - stays stale, retried next beat
                     w.last_error = f"resync failed: {exc}"
                     self._event(w, w.last_error)
@@ -423,27 +482,47 @@ class Fleet:
 
     def _start(self, spec: ServerSpec) -> ServerProcess:
         if self._launcher is None:
-            self._launcher = ThreadPoolExecutor(1, thread_name_prefix="sglang-launcher")
+            self._launcher = rank_executor(1, "sglang-launcher")
         return self._launcher.submit(lambda: spec.process().start()).result()
 
     def start_heartbeat(self) -> None:
-        _ = self.hooks  # raises on an unbound fleet, whose every beat would fail
+        _ = self.owner  # raises on an unbound fleet, whose every beat would fail
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="sglang-heartbeat", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._loop, name="sglang-heartbeat")
+
+    def wake(self) -> None:
+        """A beat now rather than at the next interval (the owner allows recoveries again)."""
+        self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.health.interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.health.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
             except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive one bad beat
                 self.events.append((time.time(), "-", f"heartbeat error: {exc}"))
 
-    def stop_heartbeat(self) -> None:
-        """No beat (and so no resync or restart) runs once this returns."""
+    def stop_heartbeat(self, bound_s: float = 10.0) -> None:
+        """On the way out (the engine's close): no new beat (and so no resync or restart) starts
+        once this returns. Every open connection is cut and every later request through them
+        fails at once (a beat blocked on a hung server is released), a restart's wait is
+        interrupted, and the thread is joined for at most `bound_s` (a daemon: one still inside
+        a call nothing can interrupt is left behind, and says so in the fleet's events)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.health.timeout_s + 5)
+        self._wake.set()
+        self.connections.close()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=bound_s)
+        if thread.is_alive():
+            self.events.append((time.time(), "-", f"heartbeat still busy {bound_s:.0f} s after "
+                                                  "its stop: left behind"))
+        with self._recovered:
+            self._recovered.notify_all()
 
     def close(self) -> None:
         """The heartbeat stopped, the servers and the router megapkl launched stopped."""

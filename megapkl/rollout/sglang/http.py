@@ -49,15 +49,21 @@ class ServerError(MegapklError, RuntimeError):
 
 
 class Connections:
-    """Open connections per base URL, so the ones to a failed server can be cut."""
+    """Open connections per base URL, so the ones to a failed server can be cut, and all of them
+    when their owner closes (`close`: a request made after it fails at once)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, set[http.client.HTTPConnection]] = {}
+        self.closed = False
 
     def add(self, url: str, conn: http.client.HTTPConnection) -> None:
+        """Register `conn` (connected: it has its socket); shut at once after `close`."""
         with self._lock:
             self._open.setdefault(url, set()).add(conn)
+            closed = self.closed
+        if closed:
+            _shut(conn)
 
     def remove(self, url: str, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -68,13 +74,24 @@ class Connections:
         with self._lock:
             conns = list(self._open.pop(url, set()))
         for c in conns:
-            sock = c.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(c)
         return len(conns)
+
+    def close(self) -> int:
+        """Cut every open connection; every later request through these fails at once."""
+        with self._lock:
+            self.closed = True
+            urls = list(self._open)
+        return sum(self.cut(url) for url in urls)
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def request(url: str, route: str, body: Optional[dict] = None, *, timeout: float,
@@ -91,9 +108,12 @@ def request(url: str, route: str, body: Optional[dict] = None, *, timeout: float
     conn = cls(parts.hostname, parts.port, timeout=timeout)
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    if connections is not None:
-        connections.add(url, conn)
     try:
+        if connections is not None:  # connected first: a cut between the two is not missed
+            if connections.closed:
+                raise ConnectionAbortedError("the connections to the servers are closed")
+            conn.connect()
+            connections.add(url, conn)
         conn.request(method, (parts.path.rstrip("/") or "") + path, body=data, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()

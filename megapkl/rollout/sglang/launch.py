@@ -254,12 +254,15 @@ def router_command(sg: Any, worker_urls: Sequence[str], host: str, port: int,
 
 def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float,
                  interval_s: float, timeout_s: float, deadline_s: float, route: str = "health",
-                 what: str = "server") -> None:
-    """Poll `route` until it answers 200; ServerLaunchError (naming the log) when the process exits or
-    `deadline_s` passes. `first_wait_s` spares servers that compile before they listen."""
+                 what: str = "server", stop: Callable[[], bool] = lambda: False) -> None:
+    """Poll `route` until it answers 200; ServerLaunchError (naming the log) when the process exits,
+    `deadline_s` passes or `stop()` says the wait is over (the fleet is closing). `first_wait_s`
+    spares servers that compile before they listen."""
     t0 = time.monotonic()
     time.sleep(first_wait_s)
     while True:
+        if stop():
+            raise ServerLaunchError(f"{what} {url}: no longer waited for (the fleet is closing)")
         if proc is not None and not proc.alive():
             raise ServerLaunchError(f"{what} {url} exited with code {proc.popen.returncode} before it "
                               f"became healthy; log: {proc.log_path}\n{proc.log_tail()}")
@@ -271,7 +274,8 @@ def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float
         if time.monotonic() - t0 > deadline_s:
             where = f"; log: {proc.log_path}\n{proc.log_tail()}" if proc is not None else ""
             raise ServerLaunchError(f"{what} {url} not healthy after {deadline_s:.0f} s "
-                              f"(rollout.sglang.health_deadline_s){where}")
+                                    f"(rollout.sglang.startup_timeout_s, or compile_timeout_s "
+                                    f"for FP8 servers compiling their kernels){where}")
         time.sleep(interval_s)
 
 

@@ -2,9 +2,19 @@
 
 One sync, for every target server (`WeightSync.push`):
 
-    pause_generation {mode} -> flush_cache -> [resume_memory_occupation] -> begin_weight_update
-      -> buckets (tensor | distributed | disk) -> end_weight_update
-      -> update_weight_version {new_version} -> continue_generation
+    pause_generation {mode} -> flush_cache -> begin_weight_update -> buckets (tensor |
+      distributed) -> end_weight_update -> update_weight_version {new_version}
+      -> continue_generation
+
+A disk load runs outside a weight-update session: SGLang's `update_weights_from_disk` restores,
+loads and post-processes the weights itself, and `end_weight_update` post-processes them again
+when no tensor or distributed load ran in the session (docs/engines.md, "Weight sync").
+
+The sync is a stateless push: what each server holds (its version, its released memory) and
+which stored version the fleet holds belong to the fleet's weight owner (weight_state.py), which
+decides whom to push to and resumes a released server's memory first. What the sync keeps is
+transport: the shared-memory segments of the tensor mode and the distributed mode's update group
+(keyed by its members and their incarnations: a restarted server is in no group).
 
 Buckets are consecutive runs of the exported (HF name, tensor) stream of at most `bucket_bytes`
 (a larger tensor travels alone). Each bucket passes through `transform(named_tensors) ->
@@ -35,7 +45,8 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -45,6 +56,7 @@ from torch import Tensor
 
 from megapkl.parallel.dist_internals import group_outside_world
 from megapkl.parallel.groups import group_device
+from megapkl.parallel.threads import rank_executor, start_thread
 from megapkl.rollout.engine import WeightUpdateError
 from megapkl.rollout.fp8 import SCALE_SUFFIX
 from megapkl.rollout.sglang import http
@@ -57,6 +69,7 @@ NamedTensors = list[tuple[str, Tensor]]
 Transform = Callable[[NamedTensors], NamedTensors]
 SYNC_MODES = ("tensor", "distributed", "disk")
 MiB = 1 << 20
+LEAVE_TIMEOUT_S = 10.0  # a server told to leave the update group (best effort, on the way out)
 
 
 def identity(named_tensors: NamedTensors) -> NamedTensors:
@@ -136,10 +149,12 @@ def flatten_bucket(bucket: NamedTensors, device: torch.device) -> Tensor:
 
 @dataclass
 class Target:
-    """A server to sync: its URL and how many TP ranks it runs (one payload / group rank each)."""
+    """A server to sync: its URL, how many TP ranks it runs (one payload / group rank each) and
+    its incarnation (its restarts: a restarted server at the same URL is a new group member)."""
 
     url: str
     tp: int = 1
+    incarnation: int = 0
 
 
 @dataclass
@@ -163,48 +178,64 @@ class SyncSettings:
 
 class WeightSync:
     """Pushes exported weights to a set of servers; `trace` records every (url, route) called,
-    in order, for tests and logs."""
+    in order, for tests and logs. `connections`: where its calls register (the fleet's), so that
+    closing them cuts a call blocked on a hung server."""
 
     def __init__(self, settings: SyncSettings, export_dir: Optional[Path] = None,
-                 transform: Transform = identity, hf_config: Optional[dict] = None):
+                 transform: Transform = identity, hf_config: Optional[dict] = None,
+                 connections: Optional[http.Connections] = None):
         if settings.mode == "disk" and export_dir is None:
             raise ValueError("rollout.sglang.weight_sync: disk needs a run directory for the export")
         self.s = settings
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.transform = transform
         self.hf_config = hf_config
+        self.connections = connections
         self.trace: list[tuple[str, str]] = []
         self._group: Optional[tuple[tuple, Any, str]] = None  # (membership, pg, name)
         self._groups_made = 0
         self._lock = threading.Lock()
-        self.released: set[str] = set()  # servers whose GPU memory is handed to the trainer
-        self.free_memory: Callable[[], None] = free_cached_memory  # before each resume
         self._buffers = SharedBuffers()  # tensor mode: shared memory kept between pushes
         self._buffers_lock = threading.Lock()
 
     # ------------------------------------------------------------------ calls
-    def _call(self, url: str, route: str, body: Optional[dict] = None) -> Any:
+    def call(self, url: str, route: str, body: Optional[dict] = None,
+             timeout_s: Optional[float] = None) -> Any:
+        """One route of one server (`timeout_s`: the sync's own unless given)."""
         with self._lock:
             self.trace.append((url, route))
-        return http.request(url, route, check_fields(route, body or {}), timeout=self.s.timeout_s)
+        return http.request(url, route, check_fields(route, body or {}),
+                            timeout=self.s.timeout_s if timeout_s is None else timeout_s,
+                            connections=self.connections)
+
+    _call = call
 
     def _all(self, targets: Sequence[Target], route: str, body_of: Callable[[Target], dict]) -> list:
         if len(targets) == 1:
             return [self._call(targets[0].url, route, body_of(targets[0]))]
-        with ThreadPoolExecutor(len(targets)) as pool:
+        with rank_executor(len(targets), "megapkl-sync") as pool:
             futures = [pool.submit(self._call, t.url, route, body_of(t)) for t in targets]
             return [f.result() for f in futures]
 
-    def _flush(self, url: str) -> None:
+    def _flush(self, url: str, timeout_s: Optional[float] = None) -> None:
         """flush_cache is refused while requests still run (retract/in_place pause): retry."""
         for attempt in range(self.s.flush_retries):
             try:
-                self._call(url, "flush_cache")
+                self._call(url, "flush_cache", timeout_s=timeout_s)
                 return
             except http.ServerError:
                 if attempt == self.s.flush_retries - 1:
                     raise
                 time.sleep(min(0.05 * 2 ** attempt, 1.0))
+
+    def make_idle(self, url: str, timeout_s: float) -> None:
+        """The server idle, as SGLang's release asserts it is (`is_fully_idle`): every request
+        aborted (`pause_generation {mode: abort}` returns once none is left in flight) and the
+        cache flushed (SGLang flushes only under the same idle test, so a flush that succeeds
+        proves it; retried while the aborted requests finish their last step). The caller
+        continues generation when done."""
+        self._call(url, "pause_generation", {"mode": "abort"}, timeout_s=timeout_s)
+        self._flush(url, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ a sync
     def push(self, targets: Sequence[Target], named_tensors: Iterable[tuple[str, Tensor]],
@@ -221,12 +252,13 @@ class WeightSync:
                 paused.append(t)
             for t in targets:
                 self._flush(t.url)
-            self.resume_memory(targets)
-            session = True
-            self._all(targets, "begin_weight_update", lambda t: {})
+            if self.s.mode != "disk":  # a disk load post-processes on its own (module docstring)
+                session = True
+                self._all(targets, "begin_weight_update", lambda t: {})
             self._send(targets, named_tensors, version)
-            session = False
-            self._all(targets, "end_weight_update", lambda t: {})
+            if session:
+                session = False
+                self._all(targets, "end_weight_update", lambda t: {})
             self._all(targets, "update_weight_version",
                       lambda t: {"new_version": str(version), "abort_all_requests": False})
         except (http.ServerError, http.ServerUnreachable) as exc:
@@ -263,44 +295,6 @@ class WeightSync:
             finally:
                 self._buffers_lock.release()
 
-    def release_memory(self, targets: Sequence[Target]) -> None:
-        """Colocated: hand the servers' GPU memory (weights, KV cache) to the trainer."""
-        todo = [t for t in targets if t.url not in self.released]
-        if self.s.colocate and todo:
-            self._all(todo, "release_memory_occupation", lambda t: {})
-            self.released.update(t.url for t in todo)
-
-    def resume_memory(self, targets: Sequence[Target]) -> None:
-        """Colocated: take the memory back before a push or a generation."""
-        todo = [t for t in targets if t.url in self.released]
-        if todo:
-            self.free_memory()  # this rank's cached blocks; the replica's others freed theirs
-            self._all(todo, "resume_memory_occupation", lambda t: {})
-            self.released.difference_update(t.url for t in todo)
-
-    def pin(self, source: StoredVersion) -> StoredVersion:
-        """Hold a stored version for as long as the servers hold it (a hard link under
-        `<export_dir>/weights/v<N>/`, with the config.json a disk update reads): the store may
-        delete its own link meanwhile, and a restarted server is resynced from it. Versions pinned
-        before are let go."""
-        if self.export_dir is None:
-            return source
-        root = self.export_dir / "weights"
-        pinned = source.pin(root / f"v{source.version}")
-        if self.hf_config is not None:
-            (pinned.path.parent / "config.json").write_text(json.dumps(self.hf_config, indent=1))
-        for old in root.glob("v*"):
-            if old != pinned.path.parent:
-                shutil.rmtree(old, ignore_errors=True)
-        return pinned
-
-    def forget(self, url: str) -> None:
-        """The server at `url` was restarted: it holds its memory (SGLang's resume of a tag that
-        was never released raises in the scheduler and kills it) and is in no update group."""
-        self.released.discard(url)
-        if self._group is not None and url in {u for u, _ in self._group[0]}:
-            self.close_group()  # the next distributed push makes a group it is in
-
     def _send(self, targets: Sequence[Target], named_tensors, version: int) -> None:
         stored = isinstance(named_tensors, StoredVersion)
         if self.s.mode == "tensor":
@@ -321,7 +315,7 @@ class WeightSync:
         with self._buffers_lock:
             stream = self._tensor_buckets(named_tensors, self._buffers)
             try:
-                with ThreadPoolExecutor(1) as pool:
+                with rank_executor(1, "megapkl-sync-layout") as pool:
                     pending = pool.submit(next, stream, None)
                     while True:
                         bucket = pending.result()
@@ -365,7 +359,7 @@ class WeightSync:
 
     # ------------------------------------------------------------------ distributed
     def _ensure_group(self, targets: Sequence[Target]):
-        membership = tuple((t.url, t.tp) for t in targets)
+        membership = tuple((t.url, t.tp, t.incarnation) for t in targets)
         if self._group is not None and self._group[0] == membership:
             return self._group[1], self._group[2]
         self.close_group()
@@ -398,13 +392,12 @@ class WeightSync:
                     made["pg"] = pg
 
         try:
-            with ThreadPoolExecutor(len(targets)) as pool:  # the servers join while we rendezvous
+            with rank_executor(len(targets), "megapkl-sync") as pool:  # they join meanwhile
                 futures = [pool.submit(self._call, t.url, "init_weights_update_group",
                                        bodies[t.url]) for t in targets]
                 # in a thread of its own: a server that refuses to join answers at once, and the
                 # rendezvous would wait for it until timeout_s (the thread gives up by then)
-                joining = threading.Thread(target=rendezvous, daemon=True)
-                joining.start()
+                joining = start_thread(rendezvous, name="megapkl-sync-rendezvous")
                 while joining.is_alive():
                     raise_refusal(futures)
                     joining.join(0.005)
@@ -430,10 +423,16 @@ class WeightSync:
         self._leave([t.url for t in targets], name)
 
     def _leave(self, urls: Sequence[str], name: str) -> None:
-        """Tell each server to leave group `name` (best effort: one that never joined refuses)."""
+        """Tell each server to leave group `name` (best effort: one that never joined refuses).
+        Outside the shared connections, which the engine's close has cut by then, and bounded:
+        a hung server costs LEAVE_TIMEOUT_S at most."""
         for url in dict.fromkeys(urls):
+            with self._lock:
+                self.trace.append((url, "destroy_weights_update_group"))
             try:
-                self._call(url, "destroy_weights_update_group", {"group_name": name})
+                http.request(url, "destroy_weights_update_group",
+                             check_fields("destroy_weights_update_group", {"group_name": name}),
+                             timeout=min(self.s.timeout_s, LEAVE_TIMEOUT_S))
             except (http.ServerError, http.ServerUnreachable):
                 pass
 
@@ -448,9 +447,9 @@ class WeightSync:
         self._group = None
         if pending and hasattr(pg, "abort"):
             pg.abort()
-        self._leave([u for u, _ in members] + [t.url for t in targets], name)
+        self._leave([u for u, _, _ in members] + [t.url for t in targets], name)
         if pending:
-            threading.Thread(target=_destroy_group, args=(pg,), daemon=True).start()
+            start_thread(_destroy_group, name="megapkl-sync-destroy", args=(pg,))
         else:
             _destroy_group(pg)
 
@@ -467,7 +466,7 @@ class WeightSync:
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": name,
                     "load_format": "flattened_bucket", "flush_cache": False}
             flat = flatten_bucket(bucket, group_device(pg))
-            with ThreadPoolExecutor(len(targets)) as pool:
+            with rank_executor(len(targets), "megapkl-sync") as pool:
                 futures = [pool.submit(self._call, t.url, "update_weights_from_distributed", body)
                            for t in targets]
                 self._broadcast(dist.broadcast(flat, src=0, group=pg, async_op=True), futures)
@@ -514,6 +513,24 @@ class WeightSync:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         return path
+
+
+def pin_version(source: StoredVersion, export_dir: Optional[Path],
+                hf_config: Optional[dict] = None) -> StoredVersion:
+    """Hold a stored version for as long as the servers hold it: a hard link under
+    `<export_dir>/weights/v<N>/`, with the config.json a disk update reads (the version store may
+    delete its own link meanwhile, and a restarted server is resynced from it). Versions pinned
+    before are let go. Without an export directory the version is held as it is."""
+    if export_dir is None:
+        return source
+    root = Path(export_dir) / "weights"
+    pinned = source.pin(root / f"v{source.version}")
+    if hf_config is not None:
+        (pinned.path.parent / "config.json").write_text(json.dumps(hf_config, indent=1))
+    for old in root.glob("v*"):
+        if old != pinned.path.parent:
+            shutil.rmtree(old, ignore_errors=True)
+    return pinned
 
 
 def raise_refusal(answers: Sequence[Future]) -> None:
