@@ -22,6 +22,7 @@ import time
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from megapkl.parallel.threads import rank_executor, start_thread
 from megapkl.rollout.turns import EnvError
 
 
@@ -72,14 +73,11 @@ class RetrieverClient:
         self.url, self.key = endpoint(url), key
         self.topk, self.timeout_s, self.max_retries = int(topk), float(timeout_s), int(max_retries)
         self.max_batch, self.batch_wait_s = int(max_batch), float(batch_wait_s)
-        self._pool = cf.ThreadPoolExecutor(max_workers=concurrency,
-                                           thread_name_prefix="megapkl-retrieve")
+        self._pool = rank_executor(concurrency, "megapkl-retrieve")
         self._cond = threading.Condition()
         self._pending: list[tuple[str, cf.Future]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._gather, daemon=True,
-                                        name="megapkl-retrieve-batch")
-        self._thread.start()
+        self._thread = start_thread(self._gather, name="megapkl-retrieve-batch")
 
     # ---- what the environment calls
 

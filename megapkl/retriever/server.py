@@ -22,6 +22,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from megapkl.parallel.threads import start_thread
+
 log = logging.getLogger("megapkl.retriever")
 
 MAX_BODY = 16 << 20  # bytes of one request body
@@ -137,9 +139,7 @@ class RetrievalServer:
         return {"result": [[h.document for h in q] for q in hits]}
 
     def start(self) -> "RetrievalServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
-                                        name="megapkl-retriever")
-        self._thread.start()
+        self._thread = start_thread(self.httpd.serve_forever, name="megapkl-retriever")
         return self
 
     def serve_forever(self) -> None:

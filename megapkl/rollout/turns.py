@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from megapkl.errors import MegapklError
+from megapkl.parallel.threads import rank_executor
 from megapkl.rollout.sample import ACTION, OBSERVATION, PromptItem, Sample, Segment
 
 log = logging.getLogger(__name__)
@@ -241,8 +242,7 @@ class TurnDriver:
         self.env, self.tokenizer, self.budgets = env, tokenizer, budgets
         self.timeout_s, self.on_error, self.clock = float(timeout_s), on_error, clock
         self.stop: tuple[str, ...] = tuple(getattr(env, "stop", ()) or ())
-        self._pool = cf.ThreadPoolExecutor(max_workers=concurrency,
-                                           thread_name_prefix="megapkl-tool")
+        self._pool = rank_executor(concurrency, "megapkl-tool")
 
     def limited(self, max_response_tokens: int) -> "TurnDriver":
         """This driver (the same environment and tool threads) with another response budget
