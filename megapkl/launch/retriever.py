@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megapkl.config.typed import rng
+from megapkl.rollout.sglang.http import is_loopback
 
 ENV = "MEGAPKL_RETRIEVER_STEP"
 
@@ -64,7 +65,7 @@ def srun_launcher(placement: RetrieverPlacement, nodes: list[str]
     node = nodes[placement.node]
 
     def launch(cmd: list[str], host: str) -> tuple[list[str], str]:
-        if len(nodes) > 1 and _loopback(host):
+        if len(nodes) > 1 and is_loopback(host):
             raise ValueError(f"env.search.host {host}: the retriever's step runs on {node} of "
                              f"{len(nodes)} nodes, whose other nodes cannot reach loopback: set "
                              "env.search.host to an address they reach (e.g. 0.0.0.0)")
@@ -78,14 +79,6 @@ def srun_launcher(placement: RetrieverPlacement, nodes: list[str]
 
     return launch
 
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def step_launcher() -> Optional[Callable[[list[str], str], tuple[list[str], str]]]:

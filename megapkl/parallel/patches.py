@@ -72,6 +72,10 @@ _BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
 _LAYERS = "megatron.core.tensor_parallel.layers"
 _WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
+# torch.compile's parameters but the last (2.14 names it dynamic_shapes, 2.13 shapes_spec)
+_COMPILE_PARAMS = ("model", "fullgraph", "dynamic", "backend", "mode", "options", "name", "disable",
+                   "recompile_limit", "isolate_recompiles")
+
 PATCHES = (
     Patch("cpu-device", _COMPAT, TORCH, cpu_only=True,
           replaces=("torch.cuda.current_device", "torch.cuda.set_device"),
@@ -158,17 +162,13 @@ PATCHES = (
           retires="gloo (or torch.distributed) returning at once for a one-rank group"),
     Patch("no-compile-at-import", _COMPAT, {"torch": ">=2.14.1,<2.15"}, cpu_only=True,
           speed_only=True, replaces=("torch.compile",),
-          params={"torch.compile": ("model", "fullgraph", "dynamic", "backend", "mode", "options",
-                                    "name", "disable", "recompile_limit", "isolate_recompiles",
-                                    "dynamic_shapes")},
+          params={"torch.compile": _COMPILE_PARAMS + ("dynamic_shapes",)},
           why="while megatron-core imports, its jit_fuser decorations would import TorchInductor "
               "(5-8 s) for functions that never run compiled on CPU; restored after the import",
           retires="megatron-core wrapping in torch.compile lazily, or not on CPU"),
     Patch("no-compile-at-import-2.13", _COMPAT, {"torch": ">=2.13.0,<2.14"}, cpu_only=True,
           speed_only=True, replaces=("torch.compile",),
-          params={"torch.compile": ("model", "fullgraph", "dynamic", "backend", "mode", "options",
-                                    "name", "disable", "recompile_limit", "isolate_recompiles",
-                                    "shapes_spec")},
+          params={"torch.compile": _COMPILE_PARAMS + ("shapes_spec",)},
           why="no-compile-at-import on torch 2.13, whose torch.compile names its last parameter "
               "shapes_spec (dynamic_shapes from 2.14)",
           retires="torch >= 2.14 as the lowest torch megapkl admits"),

@@ -9,21 +9,14 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import sys
 from typing import Optional, Sequence
 
+from megapkl.rollout.sglang.http import is_loopback
+
 log = logging.getLogger("megapkl.retriever")
 
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -43,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from megapkl.retriever.server import RetrievalServer
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    if not _loopback(args.host):
+    if not is_loopback(args.host):
         log.warning("listening on %s: the corpus is readable by anyone who reaches port %d",
                     args.host, args.port)
     retriever = open_index(args.index, gpu=args.gpu, threads=args.threads, encoder=args.encoder,
