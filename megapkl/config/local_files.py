@@ -21,7 +21,8 @@ from typing import Any, Iterator, Optional
 
 # megapkl.rollout.synthetic.SYNTHETIC_TASKS (a lower layer cannot import it; a test pins the two):
 # a benchmark of one of these names and no path is the task itself, not a file.
-SYNTHETIC_TASK_NAMES = frozenset({"add_mod10", "next_mod10", "repeat_next_8", "repeat_next_16"})
+SYNTHETIC_TASK_NAMES = frozenset({"add_mod10", "next_mod10", "repeat_next_8", "repeat_next_16",
+                                  "lookup_kv"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # The eval runner reads benchmark files with the prompt reader's default fields.
 EVAL_PROMPT_KEY, EVAL_ANSWER_KEY = "prompt", "answer"

@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megapkl.config.typed import rng
-from megapkl.rollout.sglang.http import is_loopback
-
 ENV = "MEGAPKL_RETRIEVER_STEP"
 
 
@@ -65,6 +63,9 @@ def srun_launcher(placement: RetrieverPlacement, nodes: list[str]
     node = nodes[placement.node]
 
     def launch(cmd: list[str], host: str) -> tuple[list[str], str]:
+        # imported here: megapkl.launch stays free of torch, which rollout.sglang imports
+        from megapkl.rollout.sglang.http import is_loopback
+
         if len(nodes) > 1 and is_loopback(host):
             raise ValueError(f"env.search.host {host}: the retriever's step runs on {node} of "
                              f"{len(nodes)} nodes, whose other nodes cannot reach loopback: set "

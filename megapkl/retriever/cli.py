@@ -13,10 +13,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from megapkl.rollout.sglang.http import is_loopback
-
 log = logging.getLogger("megapkl.retriever")
-
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -34,6 +31,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from megapkl.retriever.index import open_index
     from megapkl.retriever.server import RetrievalServer
+    from megapkl.rollout.sglang.http import is_loopback
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     if not is_loopback(args.host):

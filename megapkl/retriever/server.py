@@ -22,6 +22,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from megapkl.errors import MegapklError
 from megapkl.parallel.threads import start_thread
 
 log = logging.getLogger("megapkl.retriever")
@@ -29,7 +30,9 @@ log = logging.getLogger("megapkl.retriever")
 MAX_BODY = 16 << 20  # bytes of one request body
 
 
-class BadRequest(ValueError):
+class BadRequest(MegapklError, ValueError):
+    """A /retrieve body the contract refuses (answered 422 with FastAPI's detail shape)."""
+
     def __init__(self, field: str, msg: str, kind: str = "value_error"):
         super().__init__(msg)
         self.detail = [{"loc": ["body", field], "msg": msg, "type": kind}]
