@@ -139,38 +139,36 @@ def sample_log_ratios(cfg, current: Optional[Path], reference: Optional[Path], r
 
     from megapkl.analysis.eval_cli import push_weights
     from megapkl.config.layout import Layout
+    from megapkl.models.snapshot import SnapshotStore
+    from megapkl.rollout.engine import SamplingParams
+    from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
     from megapkl.train.learner import Learner
     from megapkl.train.loop import init_groups
-    from megapkl.train.rollouts import Replica, build_rollout_stage
 
     groups = init_groups(cfg.parallel, cfg.model, cfg.train.seed)
     learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
                       temperature=cfg.rollout.temperature, groups=groups)
     initial = {n: p.detach().clone() for n, p in _params(learner.model)}
     _load(learner, reference, initial)
-    learner.snapshots.save("reference")
+    snapshots = SnapshotStore(learner.model)
+    snapshots.save("reference")
     _load(learner, current, initial)
-    with contextlib.ExitStack() as held:  # its engine and reward closed however this ends
-        def hold(part):
-            if hasattr(part, "close"):
-                held.callback(part.close)
-            return part
-
-        stage = build_rollout_stage(
-            cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
-            advantage=cfg.advantage, spec=learner.spec, replica=Replica(),
-            layout=Layout.of(cfg.parallel, world=1), run_dir=Path(cfg.run_dir), seed=cfg.seed,
-            steps=cfg.train.steps, hold=hold)
-        engine = stage.slot.engine
+    r = cfg.rollout
+    tokenizer, dataset, _ = build_tokenizer_and_data(cfg.model, cfg.data, r.max_prompt_len)
+    engine = build_run_engine(r, cfg.model, learner.spec, tokenizer, work_dir=Path(cfg.run_dir),
+                              seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1))
+    with contextlib.closing(engine):  # launched servers stop however this ends
         push_weights(engine, cfg, learner.export(), 1)  # FP8 rollouts: FP8, as eval pushes
-        prompts = [stage.dataset[i] for i in range(cfg.rollout.prompts_per_batch)]
-        samples = engine.generate(prompts, responses,
-                                  dataclasses.replace(stage.sampling, seed=cfg.seed))
+        prompts = [dataset[i] for i in range(r.prompts_per_batch)]
+        sampling = SamplingParams.from_rollout_config(
+            r, topk_logprobs=r.topk_logprobs or 0, return_routed_experts=cfg.model.routing_replay)
+        samples = engine.generate(prompts, responses, dataclasses.replace(sampling, seed=cfg.seed))
     for s in samples:
         s.advantage = 0.0  # no loss is taken; the packer carries one per response
     micro_batches = learner.pack(samples)
     cur = learner.logprobs(micro_batches)
-    ref = learner.logprobs(micro_batches, snapshot="reference")
+    with snapshots.swapped_in("reference"):
+        ref = learner.logprobs(micro_batches)
     by_prompt: list[list[Tensor]] = [[] for _ in prompts]
     for i, s in enumerate(samples):  # prompt-major: prompt i // responses
         by_prompt[i // responses].append((cur[s.uid] - ref[s.uid]).to(torch.float64))

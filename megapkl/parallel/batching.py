@@ -55,7 +55,8 @@ TOKEN_FIELDS = tuple(SAMPLE_FIELDS)
 
 class PackableSample(Protocol):
     """What packing reads from a response: `megapkl.rollout.sample.Sample` (the engine's type,
-    with `advantage` set by the rollout stage and `logp_prox`/`logp_init` by the trainer)."""
+    with `advantage` set by the rollout stage and a per-batch `logp_prox` by the reference
+    policies, megapkl.train.references)."""
 
     uid: int
     group_id: int

@@ -6,10 +6,11 @@ step), loads, prunes and verifies. The components own their state: each part it 
 its files (`save_files(dir)` / `load_files(dir)`, collective) and/or returns a picklable
 `state_dict()` (`load_state_dict(state)`). A checkpoint `<checkpoint.dir>/step_<u>` holds
 - `model/`: megatron's distributed checkpoint of model, optimizer, LR schedule and RNG
-  (reshardable), and `snapshots/<key>/model.safetensors`: the proximal/initial reference snapshots
-  in Hugging Face names and full shapes (the learner's files);
+  (reshardable; the learner's files);
+- `snapshots/<key>/model.safetensors`: the proximal/initial reference snapshots in Hugging Face
+  names and full shapes (the reference policies' files, loaded before the learner's);
 - `policy_versions/`: hard links to the policy versions the rollout schedule still needs
-  (megapkl.rollout.version_store), referenced rather than copied (the rollout stage's files);
+  (megapkl.rollout.version_store), referenced rather than copied (the policy versions' files);
 - `trainer.pt`: every part's state_dict in a layout-independent form (the rollout stage's prompt
   iterator and engine version; the loop's update, current batch and NaN counters);
 - `complete`: written last, a JSON manifest (step, layout, every file and its size).

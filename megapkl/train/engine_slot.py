@@ -1,10 +1,12 @@
 """This rank's rollout engine as a slot that one user holds at a time.
 
-The batches' units of work (on the main thread, or generated ahead on the producer's thread) and
-an evaluation take turns on the engine: a unit holds the slot for its generation, and an
-evaluation borrows it (`with slot.borrowed(version) as engine:`), which loads `version` from the
-policy versions and afterwards gives the engine back the version the rollouts left it at, so the
-rollout schedule, and a resumed run, see the same engine state as without the evaluation.
+The trainer builds the slot (with the engine, on a rank that runs one) and hands it to the rollout
+stage and the evaluator; the slot is the only way to reach the engine. The batches' units of work
+(on the main thread, or generated ahead on the producer's thread) and an evaluation take turns on
+it: a unit holds the slot for its generation (`with slot.unit() as engine:`), and an evaluation
+borrows it (`with slot.borrowed(version) as engine:`), which loads `version` from the policy
+versions and afterwards gives the engine back the version the rollouts left it at, so the rollout
+schedule, and a resumed run, see the same engine state as without the evaluation.
 
 The slot also knows the version a checkpoint records as the engine's: the one the schedule left
 it at (`held`: what one synchronous engine would hold after the last unit a batch used, the same
@@ -31,12 +33,17 @@ class EngineSlot:
         engines generate the replica's groups; `ahead`: units are generated ahead of training;
         `releases_memory`: colocated servers hand their GPU memory to the trainer between
         generations."""
-        self.engine, self.versions, self.group = engine, versions, group
+        self.engine, self.versions, self.group = engine, versions, group  # engine: read only
         self.shared, self.ahead, self.releases_memory = shared, ahead, releases_memory
         self.timers = timers or Timers()
-        self.lock = threading.Lock()  # one unit of work, or one evaluation, at a time
+        self._lock = threading.Lock()  # one unit of work, or one evaluation, at a time
         self._held: Optional[int] = None
         self._failed, self._before = False, None
+
+    @property
+    def has_engine(self) -> bool:
+        """Does this rank run an engine?"""
+        return self.engine is not None
 
     @property
     def held(self) -> Optional[int]:
@@ -71,11 +78,17 @@ class EngineSlot:
             free_cached_memory(self.group)
 
     @contextlib.contextmanager
+    def unit(self) -> Iterator[Any]:
+        """The engine for one unit of work, held against other units and evaluations."""
+        with self._lock:
+            yield self.engine
+
+    @contextlib.contextmanager
     def borrowed(self, version: int) -> Iterator[Any]:
         """The engine at `version`, held against the units of work for the block; afterwards it
         is back at its previous version. Whatever fails in the block or in the way back is
         recorded (`failed_with` the version the rollouts were using) and raised."""
-        with self.lock:
+        with self._lock:
             previous, held = self.engine.version, self.held
             try:
                 self.use(version)
@@ -108,6 +121,18 @@ class EngineSlot:
                     self.engine.idle()
             agreed(load, what=f"loading policy version {version} into the engines")
             self._held = version
+
+    def keep_answers(self) -> None:
+        """After a failed batch: the engine keeps what it answered since the batch began, for the
+        resumed run (an SGLang engine's answered-groups store)."""
+        if self.engine is not None:
+            self.engine.keep_answers()
+
+    def interrupt(self) -> None:
+        """The engine's calls in flight fail at once (it is about to be closed)."""
+        interrupt = getattr(self.engine, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)

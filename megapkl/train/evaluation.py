@@ -72,7 +72,7 @@ class Evaluator:
 
         self.versions.remember(version, self.export)  # collective: into the store, as rollouts
         self.slot.make_room()  # collective: the servers' memory comes back for the evaluation
-        if self.slot.engine is None:
+        if not self.slot.has_engine:
             return None, []
 
         def records() -> list:  # between generations ahead of training (rollout.async_batches)

@@ -1,13 +1,14 @@
-"""The learner: the policy on megatron-core with its optimizer, snapshots and distributed loss.
+"""The learner: the policy on megatron-core with its optimizer and distributed loss.
 
 One object per rank. `train_step` runs one optimizer update on this rank's share of a minibatch
 (megatron's forward-backward schedule with the partition-invariant policy loss of
-`megapkl.parallel.megatron_loss`), `logprobs` recomputes log-probs (optionally under a frozen
-snapshot), `export` streams the weights in Hugging Face names for the rollout engines.
+`megapkl.parallel.megatron_loss`) and says how many forward passes the update took, `logprobs` /
+`fill_logprobs` recompute log-probs under the weights in the model (the reference policies swap
+their snapshots in: train/references.py), `export` streams the weights in Hugging Face names for
+the rollout engines.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -19,14 +20,11 @@ from megapkl.models.hf import export_hf_weights, load_hf_weights
 from megapkl.models.optimizer import (OptimSettings, attach_to_config, build_optimizer,
                                       build_scheduler, optimizer_step, wrap_ddp, zero_grads)
 from megapkl.models.provider import build_model_chunks, options_from_config
-from megapkl.models.snapshot import SnapshotStore
 from megapkl.models.spec import spec_from_model_config
 from megapkl.parallel import megatron_loss as ML
 from megapkl.parallel.batching import MicroBatch, pad_multiple
 from megapkl.parallel.microbatches import build_micro_batches
 from megapkl.parallel.groups import ParallelGroups
-
-SNAPSHOT_INDEX = "index.json"
 
 
 def optim_settings(t, parallel) -> OptimSettings:
@@ -56,8 +54,8 @@ def hf_checkpoint_dir(model) -> Optional[Path]:
 
 
 class Learner:
-    """The policy model, its optimizer and snapshots, built from the model, parallel, train and
-    objective sections; `temperature`: the rollouts' (log-probs are taken at it)."""
+    """The policy model and its optimizer, built from the model, parallel, train and objective
+    sections; `temperature`: the rollouts' (log-probs are taken at it)."""
 
     def __init__(self, model, parallel, train, objective, *, temperature: float,
                  groups: ParallelGroups) -> None:
@@ -73,10 +71,9 @@ class Learner:
         self.optimizer = build_optimizer(self.model, self.settings, pg_collection=pgc)
         self.scheduler = build_scheduler(self.optimizer, self.settings)
         attach_to_config(self.model, self.optimizer, pg_collection=pgc)
-        self.snapshots = SnapshotStore(self.model)
         self.temperature = temperature
         self.multiple = pad_multiple(groups.cp_size, groups.tp_size, parallel.sequence_parallel)
-        self.forward_passes = 0  # passes over a set of micro-batches (reference and training)
+        self._passes = 0  # forward passes over a set of micro-batches since the last step
 
     # ------------------------------------------------------------------ batches
 
@@ -95,22 +92,18 @@ class Learner:
 
     # ------------------------------------------------------------------ forward passes
 
-    def logprobs(self, micro_batches: Sequence[MicroBatch], snapshot: Optional[str] = None
-                 ) -> dict[int, torch.Tensor]:
-        """{uid: [T]} log-probs (CPU) of the micro-batches' tokens under the current weights or a
-        snapshot, on every rank (broadcast from the last pipeline stage)."""
-        self.forward_passes += 1
-        with self._weights(snapshot):
-            out = ML.forward_logprobs(self.groups, self.model, micro_batches, self.temperature)
+    def logprobs(self, micro_batches: Sequence[MicroBatch]) -> dict[int, torch.Tensor]:
+        """{uid: [T]} log-probs (CPU) of the micro-batches' tokens under the model's weights, on
+        every rank (broadcast from the last pipeline stage)."""
+        self._passes += 1
+        out = ML.forward_logprobs(self.groups, self.model, micro_batches, self.temperature)
         return self._from_last_stage(out)
 
-    def fill_logprobs(self, micro_batches: Sequence[MicroBatch], name: str,
-                      snapshot: Optional[str] = None) -> None:
-        """Write the local action tokens' log-probs under the weights or a snapshot into each
+    def fill_logprobs(self, micro_batches: Sequence[MicroBatch], name: str) -> None:
+        """Write the local action tokens' log-probs under the model's weights into each
         micro-batch's field `name` (e.g. logp_prox): no gather, the shards are reused as is."""
-        self.forward_passes += 1
-        with self._weights(snapshot):
-            ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
+        self._passes += 1
+        ML.fill_logprobs(self.groups, self.model, micro_batches, name, self.temperature)
 
     def own_routing(self):
         """Context manager: forwards inside (e.g. `logprobs`) record each MoE router's own top-k
@@ -119,13 +112,12 @@ class Learner:
         from megapkl.models.routing_probe import own_routing
         return own_routing(self.model)
 
-    def _weights(self, snapshot: Optional[str]):
-        return contextlib.nullcontext() if snapshot is None else self.snapshots.swapped_in(snapshot)
-
     def train_step(self, micro_batches: Sequence[MicroBatch], step: int,
                    record: Optional[str] = None) -> tuple[dict[str, float], bool]:
         """One optimizer update on this rank's micro-batches (`pack`); returns (metrics,
-        applied). A non-finite loss skips the update (gradients dropped), applied=False.
+        applied). A non-finite loss skips the update (gradients dropped), applied=False. The
+        metrics count the update's forward passes (`train/forward_passes`): its own and those of
+        `logprobs` / `fill_logprobs` since the previous step (the reference passes).
         `record`: a micro-batch field that receives the training pass's detached log-probs (the
         weights before this update), as `fill_logprobs` would write them."""
         obj = self.objective
@@ -133,14 +125,15 @@ class Learner:
         zero_grads(self.model, self.optimizer)
         stats = ML.count_minibatch(mbs, self.groups)
         if ML.prepass_required(obj, self.groups, len(mbs)):
-            self.forward_passes += 1
+            self._passes += 1
             stats = ML.run_prepass(obj, self.groups, self.model, mbs, stats, self.temperature, step)
-        self.forward_passes += 1
+        passes, self._passes = self._passes + 1, 0
         spec = ML.PolicyLossSpec(cfg=obj, groups=self.groups, stats=stats,
                                  temperature=self.temperature, step=step, record=record)
         reports = ML.forward_backward(spec, self.model, mbs)
         metrics = self._from_last_stage(ML.reduce_reports(reports, self.groups)
                                         if self.groups.is_last_pp_stage else {})
+        metrics["train/forward_passes"] = float(passes)
         if not math.isfinite(metrics.get("loss", math.nan)):
             zero_grads(self.model, self.optimizer)
             return metrics, False
@@ -160,52 +153,18 @@ class Learner:
 
     def save_files(self, directory: Path) -> None:
         """Collective: megatron's distributed checkpoint of model, optimizer, LR schedule and RNG
-        under `directory/model` (reshardable), and the reference snapshots as Hugging Face
-        safetensors under `directory/snapshots` (read back at any TP/PP/EP layout)."""
+        under `directory/model` (reshardable)."""
         from megapkl.models.checkpoint import save_checkpoint
 
         save_checkpoint(directory / "model", self.model, self.optimizer, self.scheduler,
                         groups=self.groups)
-        self._save_snapshots(directory / "snapshots")
 
     def load_files(self, directory: Path) -> None:
-        """Collective: the state `save_files` wrote, at this rank's layout (snapshots first: they
-        pass through the live model, which megatron's checkpoint then overwrites)."""
+        """Collective: the state `save_files` wrote, at this rank's layout."""
         from megapkl.models.checkpoint import load_checkpoint
 
-        self._load_snapshots(directory / "snapshots")
         load_checkpoint(directory / "model", self.model, self.optimizer, self.scheduler,
                         groups=self.groups)
-
-    def _save_snapshots(self, root: Path) -> None:
-        import json
-
-        from safetensors.torch import save_file
-
-        rank = dist.get_rank()
-        index = {}
-        for key in sorted(self.snapshots.keys()):
-            with self.snapshots.swapped_in(key):
-                # copy: the export hands out replicated tensors (norms) as the live parameters,
-                # which the end of the block restores to the current weights
-                tensors = {name: t.detach().to("cpu", copy=True).contiguous()
-                           for name, t in self.export()}
-            if rank == 0:
-                (root / key).mkdir(parents=True, exist_ok=True)
-                save_file(tensors, str(root / key / "model.safetensors"))
-            index[key] = self.snapshots.meta(key)
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / SNAPSHOT_INDEX).write_text(json.dumps(index))
-
-    def _load_snapshots(self, root: Path) -> None:
-        import json
-
-        index = json.loads((root / SNAPSHOT_INDEX).read_text())
-        for key, meta in index.items():
-            load_hf_weights(self.model, root / key, spec=self.spec, groups=self.groups,
-                            check_config=False)
-            self.snapshots.save(key, meta=meta)
 
     def _from_last_stage(self, obj: Any) -> Any:
         """The last pipeline stage's `obj` on every stage (one object broadcast over PP)."""

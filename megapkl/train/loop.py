@@ -2,13 +2,13 @@
 
     for each optimizer update u:
         plan = schedule.plan(u)                     which versions generate, when the reference moves
-        keep the learner's weights where later work needs them (reference / initial snapshots,
-            the policy version a later batch may be generated from)
+        keep the learner's weights where later work needs them: the reference policies'
+            snapshots (references.py), the policy version a later batch may be generated from
         if the plan starts a batch:
             rollout -> reward -> advantages -> dynamic sampling   (rollouts.py)
         minibatch = the plan's slice of the batch
-        reference log-probs: one forward per distinct weights (the live weights' pass also gives
-            the train-inference mismatch metrics)
+        reference log-probs: one forward per distinct weights (references.py; the live weights'
+            pass also gives the train-inference mismatch metrics)
         distributed policy loss -> optimizer        (learner.py)
         evaluate (eval.every); log; checkpoint when due; stop on a signal or a preemption
 
@@ -41,7 +41,6 @@ from megapkl.parallel.threads import torch_threads
 from megapkl.rollout.rewards import ERROR_KEY, match_counts, match_metrics
 from megapkl.rollout.turns import trajectory_metrics, trajectory_sums
 from megapkl.train import checkpointing as ckpt
-from megapkl.train import mismatch
 from megapkl.train.agree import Carried, RanksFailed, agreed, every_rank
 from megapkl.train.learner import Learner
 from megapkl.train.loop_state import LoopState, TrainingError
@@ -49,12 +48,13 @@ from megapkl.train.mechanism_watch import MechanismWatch
 from megapkl.train.metrics_log import MetricsLogger
 from megapkl.rollout.factory import check_engine_hosts, engine_owners
 from megapkl.rollout.sglang.placement import ranks_per_node
-from megapkl.train.rollouts import Replica, build_rollout_stage
+from megapkl.train.engine_slot import EngineSlot
+from megapkl.train.policy_versions import PolicyVersions
+from megapkl.train.references import ReferencePolicies
+from megapkl.train.rollouts import Ahead, Replica, RolloutStage, check_batch_shares
 from megapkl.train.run_context import PREEMPTION, RunContext
 from megapkl.train.schedule import Schedule
 from megapkl.train.timers import Timers
-
-LIVE = "logp_live"  # micro-batch field: the live weights' log-probs, for the mismatch metrics
 
 
 class RunStopped(TrainingError):
@@ -117,21 +117,21 @@ class Trainer:
                               dp_size=g.dp_size, max_nan_skips_in_row=cfg.train.max_nan_skips_in_row)
         self.learner = Learner(cfg.model, cfg.parallel, cfg.train, cfg.objective,
                                temperature=cfg.rollout.temperature, groups=g)
-        replica = self._replica(cfg.rollout, g, lay)
+        self.references = ReferencePolicies(cfg.reference, cfg.objective, self.learner,
+                                            routing_replay=cfg.model.routing_replay,
+                                            timers=self.timers)
+        self.replica = self._replica(cfg.rollout, g, lay)
         retriever = self._retriever()  # env.search.index: the run's own, before any engine
-        self.rollouts = agreed(lambda: build_rollout_stage(  # its engine: held as soon as built
-            cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward,
-            advantage=cfg.advantage, spec=self.learner.spec, replica=replica, layout=lay,
-            run_dir=self.run_dir, seed=cfg.seed, steps=cfg.train.steps, env=cfg.env,
-            retriever=retriever, timers=self.timers,
-            hold=context.hold, schedule=self.schedule, stopping=context.stopping),
-            what="starting the rollouts")
+        # what the rollout stage and the evaluator share (self.tokenizer, self.versions,
+        # self.turns, self.slot: the engine's), then the stage over them
+        self.rollouts = agreed(lambda: self._start_rollouts(retriever),
+                               what="starting the rollouts")
         context.on_exit(self.rollouts.stop_ahead)  # its generation thread, before its engine
         self.evaluator = agreed(self._evaluator, what="loading the evaluation benchmarks")
-        self.checkpoints = ckpt.CheckpointManager(cfg.checkpoint, {
-            "learner": self.learner, "versions": self.rollouts.versions,
-            "rollouts": self.rollouts, "loop": self.loop},
-            steps=cfg.train.steps, layout=lay, timers=self.timers)
+        self.checkpoints = ckpt.CheckpointManager(cfg.checkpoint, {  # the references' files pass
+            "references": self.references, "learner": self.learner,  # through the live model:
+            "versions": self.versions, "rollouts": self.rollouts,  # loaded before the learner's
+            "loop": self.loop}, steps=cfg.train.steps, layout=lay, timers=self.timers)
         self.loop.update = self.checkpoints.resume()
         self.logger = context.hold(agreed(self._start_logs, what="starting the run's logs"))
 
@@ -150,16 +150,12 @@ class Trainer:
             minibatch = self.loop.minibatch(plan.minibatch)
             with self.timers("reference"):
                 micro_batches = self.learner.pack(minibatch)  # once: reference passes, training
-                exact = self.reference_forwards(micro_batches, minibatch, plan)
-            with self.timers("train"):  # exact None: measured on the training pass's log-probs
-                metrics, applied = self.learner.train_step(
-                    micro_batches, step=u, record=None if exact is not None else LIVE)
-            if exact is None:
-                with self.timers("reference"):
-                    exact = mismatch.exact_version_metrics(self.learner, minibatch, micro_batches,
-                                                           plan.update, field=LIVE)
+                mismatch = self.references.fill(micro_batches, minibatch, plan)
+            with self.timers("train"):  # the mismatch may be read from the training pass
+                metrics, applied = self.learner.train_step(micro_batches, step=u,
+                                                           record=mismatch.record)
             self.count(u, metrics, applied)  # a non-finite loss skips; too many in a row stop
-            metrics.update(exact, **pending, **self.rollout_metrics(plan, minibatch))
+            metrics.update(mismatch.metrics(), **pending, **self.rollout_metrics(plan, minibatch))
             with self.stop_on_failure(u + 1, row=metrics):
                 metrics.update(self.evaluate(u))
             last, pending = self.log(u, metrics), {}
@@ -171,16 +167,11 @@ class Trainer:
     # ------------------------------------------------------------------ steps of an update
 
     def keep_weights(self, plan) -> None:
-        """Keep the learner's weights (version u) where later work needs them: the reference and
-        initial snapshots, and the rollout pool if a batch may be generated from version u."""
-        u, snapshots = plan.update, self.learner.snapshots
+        """Keep the learner's weights (version u) where later work needs them: the reference
+        policies' snapshots, and the policy versions if a batch may be generated from u."""
+        self.references.keep(plan)
+        u, versions = plan.update, self.versions
         with self.timers("export"):
-            if plan.refresh_reference and plan.reference_version == u and \
-                    self.cfg.reference.mode == "snapshot":
-                snapshots.save("reference", meta=u)
-            if u == 0 and self.cfg.reference.kl_init:  # resolved: kl_init_coef > 0 unless set
-                snapshots.save("init", meta=0)
-            versions = self.rollouts.versions
             if self.schedule.may_generate_from(u):
                 versions.remember(u, self.learner.export)
             else:
@@ -189,42 +180,7 @@ class Trainer:
 
     def new_batch(self, plan) -> None:
         self.loop.batch = self.rollouts.collect(plan.batch, plan.group_versions)
-        if self.cfg.reference.mode == "per_batch":  # PKL C.2: recomputed once, frozen for the batch
-            with self.timers("reference"):
-                logp = self.learner.logprobs(self.learner.pack(self.loop.batch))
-            for s in self.loop.batch:
-                s.logp_prox = logp[s.uid]
-
-    def reference_forwards(self, micro_batches: list, minibatch: list, plan
-                           ) -> Optional[dict[str, float]]:
-        """Proximal (snapshot mode) and initial-model log-probs into the micro-batches, with one
-        forward pass per distinct weights; the live weights' pass (or the per-batch reference of
-        the batch's first minibatch) also gives the mismatch metrics, without a pass of its own.
-        Without such a pass: None, the mismatch metrics are then taken from the training pass
-        (the same weights and tokens), except under routing replay, whose mismatch compares the
-        routers' own choices, which only a pass of its own records."""
-        wants: dict[str, Optional[str]] = {}  # micro-batch field -> weights (None: the live ones)
-        if self.cfg.reference.mode == "snapshot":
-            wants["logp_prox"] = None if plan.reference_version == plan.update else "reference"
-        if self.cfg.objective.kl_init_coef > 0:
-            wants["logp_init"] = None if plan.update == 0 else "init"
-        per_batch = self.cfg.reference.mode == "per_batch" and plan.minibatch == 0
-        live, own = ("logp_prox" if per_batch else None), None
-        record = self.cfg.model.routing_replay  # the engine's routing: compare the routers' own
-        for weights in dict.fromkeys(wants.values()):
-            first, *more = [f for f, w in wants.items() if w == weights]
-            with (self.learner.own_routing() if record and weights is None
-                  else contextlib.nullcontext()) as got:
-                self.learner.fill_logprobs(micro_batches, first, weights)
-            for mb in micro_batches:  # the same weights and tokens: the same values
-                for name in more if first in mb.fields else ():
-                    mb.fields[name] = mb.fields[first].clone()
-            if weights is None:
-                live, own = first, got
-        if live is None and not record:
-            return None
-        return mismatch.exact_version_metrics(self.learner, minibatch, micro_batches, plan.update,
-                                              field=live, own=own)
+        self.references.start_batch(self.loop.batch)  # per_batch: frozen for the batch
 
     def evaluate_at_start(self) -> dict[str, float]:
         """eval.at_start: the initial policy's eval/* metrics, for the first row."""
@@ -275,7 +231,7 @@ class Trainer:
 
     def _rollout_metrics(self, plan, minibatch: list) -> dict[str, float]:
         samples, device = minibatch, self.groups.device
-        correct = self.rollouts.correct
+        correct = self.cfg.reward.correct
         stale = [plan.update - s.version for s in samples]
         tokens = sum(s.response_len for s in samples)
         failed = sum(ERROR_KEY in s.metadata for s in samples)  # user reward, on_error: incorrect
@@ -302,7 +258,7 @@ class Trainer:
 
     def _match_by_source(self, samples: list) -> dict[str, float]:
         """em/<source> (and em/avg) of the minibatch over every data-parallel rank."""
-        parts = [match_counts(samples, self.rollouts.correct)]
+        parts = [match_counts(samples, self.cfg.reward.correct)]
         if self.groups.dp_size > 1:
             mine, parts = parts[0], [None] * self.groups.dp_size
             dist.all_gather_object(parts, mine, group=self.groups.dp)
@@ -325,8 +281,6 @@ class Trainer:
 
     def log(self, u: int, metrics: dict[str, float]) -> dict[str, float]:
         """Rank-local (rank 0 writes): what it raises is agreed at the end of the update."""
-        metrics["train/forward_passes"] = float(self.learner.forward_passes)
-        self.learner.forward_passes = 0
         metrics.update(self.timers.lap())  # what this update's wall time went to
         with self.timers("log"):
             self.carried.run(lambda: self.logger.log(u, metrics), where="the metrics log")
@@ -393,6 +347,51 @@ class Trainer:
             dist.broadcast_object_list(url, src=0)
         return None if url[0] is None else types.SimpleNamespace(url=url[0])
 
+    def _start_rollouts(self, retriever) -> RolloutStage:
+        """The parts the rollout stage and the evaluator share: the tokenizer, the policy
+        versions, and on a rank that runs an engine the multi-turn turn driver (env, when set)
+        and the engine, in this rank's slot; then the stage over them. The stage's reward is
+        built before the engine, so that a bad reward or environment fails before an engine is
+        launched; each part is held by the run as soon as it exists."""
+        from megapkl.envs import build_turn_driver
+        from megapkl.rollout.factory import build_tokenizer_and_data
+        from megapkl.rollout.rewards import build_reward
+
+        cfg, r, replica, hold = self.cfg, self.cfg.rollout, self.replica, self.context.hold
+        check_batch_shares(r, replica.dp_size)
+        self.tokenizer, dataset, task = build_tokenizer_and_data(cfg.model, cfg.data,
+                                                                 r.max_prompt_len)
+        self.versions = PolicyVersions.of(r, self.run_dir, reader=replica.engine,
+                                          timers=self.timers)
+        scorer = self.turns = None
+        if replica.engine:  # the replica's other ranks get the scored samples from its engines
+            scorer = hold(build_reward(cfg.reward, cfg.data, self.tokenizer, task))
+            self.turns = hold(build_turn_driver(cfg.env, r.max_response_len, self.tokenizer,
+                                                task, retriever=retriever))
+        ahead = Ahead.of(r, self.schedule, cfg.train.steps) if replica.engine else None
+        self.slot = self._slot(ahead is not None)  # its engine: held as soon as built
+        return RolloutStage(r, cfg.advantage, cfg.data, dataset=dataset, reward=scorer,
+                            versions=self.versions, slot=self.slot, replica=replica,
+                            seed=cfg.seed, routed_experts=cfg.model.routing_replay,
+                            turns=self.turns, ahead=ahead, timers=self.timers)
+
+    def _slot(self, ahead: bool) -> EngineSlot:
+        """This rank's engine slot: the run's engine on a rank that runs one (Replica.owners),
+        placed by the trainer's layout; `ahead`: units are generated ahead of training."""
+        from megapkl.rollout.factory import build_run_engine
+        from megapkl.rollout.sglang.launch import releases_memory
+
+        cfg, r, replica = self.cfg, self.cfg.rollout, self.replica
+        engine = None
+        if replica.engine:
+            engine = self.context.hold(build_run_engine(
+                r, cfg.model, self.learner.spec, self.tokenizer, work_dir=self.run_dir,
+                seed=cfg.seed, layout=self.layout, replica=replica.dp_rank,
+                stopping=self.context.stopping, rank=replica.rank))
+        return EngineSlot(engine, self.versions, group=replica.group,
+                          shared=len(replica.owners) > 1, ahead=ahead, timers=self.timers,
+                          releases_memory=r.engine == "sglang" and releases_memory(r.sglang))
+
     def _evaluator(self):
         """The evaluator (None unless eval.every or eval.at_start), on the rollout stage's engine."""
         from megapkl.train.evaluation import Evaluator
@@ -401,10 +400,9 @@ class Trainer:
         if cfg.eval.every == 0 and not cfg.eval.at_start:
             return None
         return self.context.hold(Evaluator(
-            cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.rollouts.tokenizer,
-            out_dir=self.run_dir / "eval", dp=self.rollouts.replica.eval_share,
-            versions=self.rollouts.versions, slot=self.rollouts.slot,
-            export=self.learner.export, turns=self.rollouts.turns))
+            cfg.eval, cfg.rollout, cfg.data, seed=cfg.seed, tokenizer=self.tokenizer,
+            out_dir=self.run_dir / "eval", dp=self.replica.eval_share, versions=self.versions,
+            slot=self.slot, export=self.learner.export, turns=self.turns))
 
     def _start_logs(self) -> MetricsLogger:
         """The metrics logger (rank 0 writes), after rank 0's announcement (agreed: the files)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+import torch.distributed as dist
+
 from megapkl.rollout.engine import RolloutError
 from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import agree, agreed, feed
@@ -31,6 +33,15 @@ class PolicyVersions:
             from megapkl.rollout.fp8 import FP8Transform
 
             self.transform = FP8Transform()
+
+    @classmethod
+    def of(cls, rollout: Any, run_dir: Path, *, reader: bool,
+           timers: Optional[Timers] = None) -> "PolicyVersions":
+        """The run's versions under `run_dir/policy_versions`, written by global rank 0, from the
+        rollout section (fp8, snapshot_pool); `reader`: an engine on this rank loads them."""
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        return cls(VersionStore(Path(run_dir) / "policy_versions", writer=writer),
+                   fp8=rollout.fp8, pool=rollout.snapshot_pool, reader=reader, timers=timers)
 
     def watch(self, watcher: Any) -> None:
         """`watcher.published(version)` / `watcher.withdrawn(keep)` from now on."""

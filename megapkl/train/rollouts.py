@@ -9,12 +9,12 @@ contiguous share of the replica's prompt groups (by its servers) and every rank 
 gets all the samples. A group's draws depend on its global slot and version only, so how the
 groups are shared changes no sample.
 
-The stage is three owned parts: the policy versions the schedule still needs
-(train/policy_versions.py: files written once, loaded by every engine), this rank's engine slot
-(train/engine_slot.py: one unit of work or one evaluation at a time, and the version a checkpoint
-records), and the batch collector here (prompts, draw rounds, rewards, advantages, the producer).
-The trainer drives the versions (remember, drop, forget_before) as its Schedule says; the
-Evaluator borrows the slot.
+The trainer builds the two parts the stage shares with the evaluator and hands them to both: the
+policy versions the schedule still needs (train/policy_versions.py: files written once, loaded by
+every engine), which it drives (remember, drop, forget_before) as its Schedule says, and this
+rank's engine slot (train/engine_slot.py: one unit of work or one evaluation at a time, and the
+version a checkpoint records), the only way to the engine. The stage here is the batch collector
+(prompts, draw rounds, rewards, advantages, the producer).
 
 Whatever fails on a rank that runs an engine (the engine, a version file, a weight update, the
 server's answer, the reward function) is agreed over the data-parallel ranks
@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megapkl.config.layout import Layout
 from megapkl.objectives.advantages import compute_advantages
 from megapkl.objectives.sis import mix64_int
 from megapkl.parallel.groups import ParallelGroups, replica_group
@@ -44,7 +42,6 @@ from megapkl.rollout.engine import RolloutError, SamplingParams
 from megapkl.rollout.sample import Sample
 from megapkl.rollout.seeds import prompt_seed
 from megapkl.rollout.turns import ENV_ERROR_KEY
-from megapkl.rollout.version_store import VersionStore
 from megapkl.train.agree import RankError, RanksFailed, agree, attempt
 from megapkl.train.engine_slot import EngineSlot, load_order
 from megapkl.train.policy_versions import PolicyVersions
@@ -112,77 +109,47 @@ class Ahead:
     versions_of: Callable[[int], Sequence[int]]
     total: int
 
+    @classmethod
+    def of(cls, rollout: Any, schedule: Any, steps: int) -> "Optional[Ahead]":
+        """From the rollout section, the run's schedule (train/schedule.py) and its updates
+        (train.steps); None without rollout.async_batches."""
+        if not rollout.async_batches:
+            return None
+        return cls(rollout.async_batches, schedule.group_versions,
+                   -(-steps // rollout.minibatches_per_batch))
 
-def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, advantage: Any,
-                        spec: Any, replica: Replica, layout: Layout, run_dir: Path, seed: int,
-                        steps: int, env: Any = None, retriever: Any = None,
-                        timers: Optional[Timers] = None,
-                        hold: Callable[[Any], Any] = lambda x: x, schedule: Any = None,
-                        stopping: Callable[[], bool] = lambda: False) -> "RolloutStage":
-    """The stage of the rollout section, with the model, data, reward, advantage and env
-    sections it reads: tokenizer and prompts (data), reward, the policy versions (under
-    `run_dir`) and, on a rank that runs one of its replica's engines (Replica.owners), the engine
-    in its slot, placed by the trainer's `layout`, and the multi-turn environment's turn driver
-    (env, when set; `retriever`: the run's own, with its `url`). `steps`: the run's updates
-    (train.steps). `hold(x)` registers x's close with
-    the run as soon as x exists. `schedule` (train/schedule.py): names the upcoming batches'
-    versions under async_batches."""
-    from megapkl.envs import build_turn_driver
-    from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
-    from megapkl.rollout.rewards import build_reward
-    from megapkl.rollout.sglang.launch import releases_memory
 
-    r, timers = rollout, timers or Timers()
-    if r.prompts_per_batch % (replica.dp_size * r.minibatches_per_batch):
+def check_batch_shares(rollout: Any, dp_size: int) -> None:
+    """Every data-parallel rank holds whole prompt groups of every minibatch."""
+    r = rollout
+    if r.prompts_per_batch % (dp_size * r.minibatches_per_batch):
         raise RolloutError(
             f"rollout.prompts_per_batch ({r.prompts_per_batch}) must be divisible by the "
-            f"data-parallel size ({replica.dp_size}) x rollout.minibatches_per_batch "
+            f"data-parallel size ({dp_size}) x rollout.minibatches_per_batch "
             f"({r.minibatches_per_batch}) so every rank holds whole prompt groups")
-    tokenizer, dataset, task = build_tokenizer_and_data(model, data, r.max_prompt_len)
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    versions = PolicyVersions(VersionStore(Path(run_dir) / "policy_versions", writer=writer),
-                              fp8=r.fp8, pool=r.snapshot_pool, reader=replica.engine,
-                              timers=timers)
-    engine = scorer = turns = None
-    if replica.engine:  # the replica's other ranks get the scored samples from its engines
-        scorer = hold(build_reward(reward, data, tokenizer, task))
-        if env is not None:
-            turns = hold(build_turn_driver(env, r.max_response_len, tokenizer, task,
-                                           retriever=retriever))
-        engine = hold(build_run_engine(r, model, spec, tokenizer, work_dir=run_dir, seed=seed,
-                                       layout=layout, replica=replica.dp_rank,
-                                       stopping=stopping, rank=replica.rank))
-    sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
-                                                  return_routed_experts=model.routing_replay)
-    ahead = None
-    if r.async_batches and schedule is not None and replica.engine:
-        ahead = Ahead(r.async_batches, schedule.group_versions,
-                      -(-steps // r.minibatches_per_batch))
-    slot = EngineSlot(engine, versions, group=replica.group, shared=len(replica.owners) > 1,
-                      ahead=ahead is not None, timers=timers,
-                      releases_memory=r.engine == "sglang" and releases_memory(r.sglang))
-    return RolloutStage(r, advantage, data=data, correct=reward.correct, seed=seed,
-                        tokenizer=tokenizer, dataset=dataset, reward=scorer, versions=versions,
-                        slot=slot, sampling=sampling, replica=replica, timers=timers,
-                        ahead=ahead, turns=turns)
 
 
 class RolloutStage:
-    """The batch collector: prompts, draw rounds, rewards, advantages and the generation ahead,
-    over the policy versions (`versions`) and this rank's engine slot (`slot`), which it is
-    handed and which an evaluation uses as well."""
+    """The batch collector: prompts, draw rounds, rewards, advantages and the generation ahead.
+    The trainer hands it the policy versions and this rank's engine slot, which the evaluator
+    uses as well; the stage reaches the engine through the slot alone."""
 
-    def __init__(self, rollout: Any, advantage: Any, *, data: Any, correct: float, seed: int,
-                 tokenizer: Any, dataset: Any, reward: Any, versions: PolicyVersions,
-                 slot: EngineSlot, sampling: SamplingParams, replica: Replica,
-                 timers: Optional[Timers] = None, ahead: Optional[Ahead] = None,
-                 turns: Any = None) -> None:
+    def __init__(self, rollout: Any, advantage: Any, data: Any, *, dataset: Any, reward: Any,
+                 versions: PolicyVersions, slot: EngineSlot, replica: Replica, seed: int,
+                 routed_experts: bool = False, turns: Any = None, ahead: Optional[Ahead] = None,
+                 timers: Optional[Timers] = None) -> None:
+        """The rollout, advantage and data sections (the prompts' order); `dataset`: the prompts;
+        `reward`: the scorer (None on a rank without an engine: the replica's engines score);
+        `routed_experts`: model.routing_replay, the engine returns its routing; `turns`: the
+        multi-turn environment's turn driver (engines only), or None; `ahead`: generation ahead
+        of training (rollout.async_batches, engines only)."""
         from megapkl.rollout.data import PromptIterator
 
         self.rollout, self.advantage, self.seed = rollout, advantage, seed
-        self.tokenizer, self.dataset, self.reward = tokenizer, dataset, reward
-        self.correct = correct  # the reward `train/accuracy` counts (reward.correct)
-        self.versions, self.slot, self.sampling, self.replica = versions, slot, sampling, replica
+        self.dataset, self.reward, self.turns = dataset, reward, turns
+        self.versions, self.slot, self.replica = versions, slot, replica
+        self.sampling = SamplingParams.from_rollout_config(
+            rollout, topk_logprobs=rollout.topk_logprobs or 0, return_routed_experts=routed_experts)
         self.timers = timers or Timers()
         self.prompts = PromptIterator(len(dataset), seed=data.seed, shuffle=data.shuffle)
         self.per_rank = rollout.prompts_per_batch // replica.dp_size
@@ -190,7 +157,6 @@ class RolloutStage:
         self.versions_loaded = 0
         self.ahead = ahead  # generation ahead (engines only): one unit of work at a time
         self.producer: Optional[Producer] = None
-        self.turns = turns  # multi-turn: the environment's turn driver (engines only), or None
 
     def load_metrics(self) -> dict[str, float]:
         """Versions this replica's engine switched to for the current batch, counted from the one
@@ -214,8 +180,7 @@ class RolloutStage:
             return samples
         except RanksFailed:
             self.stop_ahead()  # the run stops: no more generation ahead
-            if self.slot.engine is not None:  # what it answered is there for the resumed run
-                self.slot.engine.keep_answers()
+            self.slot.keep_answers()  # what it answered is there for the resumed run
             self.prompts.load_state_dict(prompts)
             self.slot.failed_with(held)
             raise
@@ -306,12 +271,12 @@ class RolloutStage:
         batch, rnd, todo = key
         timers = Timers()
 
-        def run():
+        def run(engine):
             if rnd == 0:
-                self.slot.engine.new_batch()  # the answered-groups store follows the batch
-            return self._generate_here(batch, rnd, todo, timers)
-        with self.slot.lock:
-            groups, error = attempt(run)
+                engine.new_batch()  # the answered-groups store follows the batch
+            return self._generate_here(engine, batch, rnd, todo, timers)
+        with self.slot.unit() as engine:
+            groups, error = attempt(lambda: run(engine))
         return groups, error, timers
 
     @staticmethod
@@ -342,11 +307,12 @@ class RolloutStage:
                                                    (r.dp_rank + 1) * self.per_rank)]))))
         self.producer.plan([k for k in keys if k[2]])  # an empty share is generated by nobody
 
-    def _generate_here(self, batch: int, rnd: int, todo: Sequence[tuple[int, int, int]],
-                       timers: Timers) -> list[list[Sample]]:
-        """Run the engine at each scheduled version: samples per group."""
+    def _generate_here(self, engine: Any, batch: int, rnd: int,
+                       todo: Sequence[tuple[int, int, int]], timers: Timers
+                       ) -> list[list[Sample]]:
+        """Run the engine (held: `EngineSlot.unit`) at each scheduled version: samples per
+        group."""
         groups: dict[int, list[Sample]] = {}
-        engine = self.slot.engine
         for version in load_order((v for _, _, v in todo), engine.version):
             part = [(i, slot) for i, slot, v in todo if v == version]
             self.slot.use(version, timers)
@@ -402,13 +368,12 @@ class RolloutStage:
         (the engine closes right after: the run is ending) and the thread is joined with a
         bound (train/producer.py)."""
         if self.producer is not None:
-            self.producer.stop(interrupt=getattr(self.slot.engine, "interrupt", None))
+            self.producer.stop(interrupt=self.slot.interrupt)
 
     def close(self) -> None:
-        """The generation ahead, the engine (launched servers stop with the run) and the
-        reward's worker (for a stage built without a run to hold them)."""
+        """The generation ahead and the reward's worker (for a stage built without a run to hold
+        them; the slot's owner closes the engine)."""
         self.stop_ahead()
-        self.slot.close()
         close = getattr(self.reward, "close", None)
         if close is not None:
             close()

@@ -51,7 +51,7 @@ def _kill_when(trainer, update: int) -> threading.Thread:
     def watch() -> None:
         while trainer.loop.update < update:
             time.sleep(0.05)
-        os.kill(trainer.rollouts.slot.engine.fleet.workers[0].process.popen.pid, signal.SIGKILL)
+        os.kill(trainer.slot.engine.fleet.workers[0].process.popen.pid, signal.SIGKILL)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
@@ -71,15 +71,15 @@ def train_and_check_weights(rank, world, cfg, kill=None):
         trainer.run()
         if killer is not None:
             killer.join(timeout=5)
-        stage = trainer.rollouts
-        if stage.slot.engine is None:
+        slot = trainer.slot
+        if slot.engine is None:
             return {"rank": rank, "workers": []}
-        fleet = stage.slot.engine.fleet
+        fleet = slot.engine.fleet
         settled = time.monotonic() + 120  # (a worker not ready now would be resynced first)
         while time.monotonic() < settled and {w.state for w in fleet.workers} != {"ready"}:
             time.sleep(0.1)
         fleet.stop_heartbeat()  # no resync or restart under the reads
-        stored = list(stage.versions.get(stage.slot.engine.version).stream())
+        stored = list(trainer.versions.get(slot.engine.version).stream())
         differ = []
         for w in fleet.workers:
             for name, tensor in stored:
@@ -89,7 +89,7 @@ def train_and_check_weights(rank, world, cfg, kill=None):
                     differ.append((w.url, name))
         return {"rank": rank, "workers": [w.url for w in fleet.workers], "tensors": len(stored),
                 "differ": differ, "states": [w.state for w in fleet.workers],
-                "version": stage.slot.engine.version, "events": fleet.events}
+                "version": slot.engine.version, "events": fleet.events}
 
 
 def _run(dist_run, run_dir: Path, extra: list[str], kill=None):

@@ -42,7 +42,7 @@ def r3_worker(rank, world, cfg):
     from megapkl.train.run_context import RunContext
 
     t = Trainer(cfg, RunContext().__enter__())  # open for the rank's life
-    assert isinstance(t.rollouts.slot.engine, SGLangEngine)
+    assert isinstance(t.slot.engine, SGLangEngine)
     with torch.no_grad():  # louder experts (the random init's are faint): routing shows in logp
         for chunk in model_chunks(t.learner.model):
             for name, p in chunk.named_parameters():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -93,27 +94,39 @@ def test_missing_and_corrupt_files_name_the_file(tmp_path):
 # ------------------------------------------------------------------------- the rollout stage
 
 def stage_for(run_dir, *overrides):
+    """The rollout stage of one process, with the policy versions and the engine slot the trainer
+    would hand it (`.versions`, `.slot` here)."""
     from megapkl.config import load_config
     from megapkl.config.layout import Layout
     from megapkl.models.spec import spec_from_model_config
-    from megapkl.train.rollouts import Replica, build_rollout_stage
+    from megapkl.rollout.factory import build_run_engine, build_tokenizer_and_data
+    from megapkl.rollout.rewards import build_reward
+    from megapkl.train.engine_slot import EngineSlot
+    from megapkl.train.policy_versions import PolicyVersions
+    from megapkl.train.rollouts import Replica, RolloutStage
 
     cfg = load_config("configs/demo/cpu_demo.yaml", [
         "parallel.data=1", f"run_dir={run_dir}", "rollout.protocol=uniform_stale",
         "rollout.max_staleness=3", "rollout.snapshot_pool=4", "rollout.refresh_every=null",
         "rollout.prompts_per_batch=8", "rollout.responses_per_prompt=2",
         "advantage.filter_constant_groups=false", *overrides])
-    return build_rollout_stage(
-        cfg.rollout, model=cfg.model, data=cfg.data, reward=cfg.reward, advantage=cfg.advantage,
-        spec=spec_from_model_config(cfg.model), replica=Replica(),
-        layout=Layout.of(cfg.parallel, world=1),
-        run_dir=Path(cfg.run_dir), seed=cfg.seed, steps=cfg.train.steps)
+    r = cfg.rollout
+    tokenizer, dataset, task = build_tokenizer_and_data(cfg.model, cfg.data, r.max_prompt_len)
+    versions = PolicyVersions.of(r, Path(cfg.run_dir), reader=True)
+    engine = build_run_engine(r, cfg.model, spec_from_model_config(cfg.model), tokenizer,
+                              work_dir=Path(cfg.run_dir), seed=cfg.seed,
+                              layout=Layout.of(cfg.parallel, world=1))
+    slot = EngineSlot(engine, versions)
+    stage = RolloutStage(r, cfg.advantage, cfg.data, dataset=dataset,
+                         reward=build_reward(cfg.reward, cfg.data, tokenizer, task),
+                         versions=versions, slot=slot, replica=Replica(), seed=cfg.seed)
+    return types.SimpleNamespace(stage=stage, versions=versions, slot=slot)
 
 
-def engine_weights(stage, version: int):
+def engine_weights(run, version: int):
     g = torch.Generator().manual_seed(version)
     return ((n, torch.randn(p.shape, generator=g) * 0.5)
-            for n, p in stage.slot.engine.model.state_dict().items())
+            for n, p in run.slot.engine.model.state_dict().items())
 
 
 def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
@@ -121,14 +134,15 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     from megapkl.rollout.engine import RolloutError
     from megapkl.train.agree import RanksFailed
 
-    stage = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
+    run = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
+    stage = run.stage
     for v in range(5):
-        stage.versions.remember(v, lambda: engine_weights(stage, v))
-        stage.versions.forget_before(v - 3)
-    assert stage.versions.store.versions() == [1, 2, 3, 4]
+        run.versions.remember(v, lambda: engine_weights(run, v))
+        run.versions.forget_before(v - 3)
+    assert run.versions.store.versions() == [1, 2, 3, 4]
     if fp8:  # stored already quantized
         from safetensors import safe_open
-        with safe_open(str(stage.versions.store.path(4)), framework="pt") as h:
+        with safe_open(str(run.versions.store.path(4)), framework="pt") as h:
             assert h.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
     versions = [4, 1, 3, 2, 4, 1, 3, 2]
     samples = stage.collect(0, versions)
@@ -137,15 +151,15 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     assert stage.timers.totals["sync"] > 0
     # Checkpoint (references), the run directory loses the files, resume restores them.
     ckpt = tmp_path / "ckpt"
-    stage.versions.save_files(ckpt)
+    run.versions.save_files(ckpt)
     state = stage.state_dict()
     assert "pool" not in state and sorted(p.name for p in (ckpt / "policy_versions").iterdir()) == \
         [f"v{v:08d}.safetensors" for v in (1, 2, 3, 4)]
-    stage.versions.store.delete_before(100)
+    run.versions.store.delete_before(100)
     again = stage_for(tmp_path / "run", f"rollout.fp8={str(fp8).lower()}")
     again.versions.load_files(ckpt)
-    again.load_state_dict(state)
-    a, b = stage.collect(1, versions), again.collect(1, versions)
+    again.stage.load_state_dict(state)
+    a, b = stage.collect(1, versions), again.stage.collect(1, versions)
     assert all(torch.equal(x.logp_behav, y.logp_behav) and torch.equal(x.response_ids, y.response_ids)
                for x, y in zip(a, b))
     # A needed version missing on disk is an error naming the file, not a silent skip.
@@ -154,8 +168,8 @@ def test_stage_generates_by_version_from_disk_and_resumes(tmp_path, fp8=True):
     with pytest.raises(RanksFailed, match=rf"the rollout failed on rank 0: VersionStoreError: "
                                           rf"policy version {gone} is needed but its file "
                                           rf".*v0000000{gone}\.safetensors is missing"):
-        again.collect(2, [gone] * 8)
+        again.stage.collect(2, [gone] * 8)
     with pytest.raises(RolloutError, match=r"rollout.snapshot_pool \(4\)"):
         for v in range(5, 7):
-            stage.versions.remember(v, lambda: engine_weights(stage, v))
-        stage.versions.forget_before(0)
+            run.versions.remember(v, lambda: engine_weights(run, v))
+        run.versions.forget_before(0)

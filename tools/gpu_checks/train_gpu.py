@@ -203,7 +203,7 @@ def fresh_samples(trainer, n_prompts: int, max_new: int):
     """Samples from the engine holding the learner's current weights (staleness 0)."""
     from megapkl.rollout.engine import SamplingParams
 
-    engine = trainer.rollouts.slot.engine
+    engine = trainer.slot.engine
     weights, export_s = timed_export(trainer.learner)
     engine.update_weights(iter(weights), version=10_000)
     prompts = [trainer.rollouts.dataset[i] for i in range(n_prompts)]
