@@ -71,3 +71,40 @@ def test_a_resume_failing_on_one_rank_stops_both_with_one_line(dist_run, trained
     for r in (0, 1):
         assert (marks / f"threads{r}").read_text() == "", "a megapkl thread was left"
     _assert_prompt_exits(facts, marks, f"resume, {case}")
+
+
+class _Counter:
+    """A part with a trainer state of its own (what the checkpoint's trainer.pt holds)."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _resume_where_rank_1_lags(rank, world, root):  # noqa: ARG001
+    from types import SimpleNamespace
+
+    from megapkl.train import checkpointing as ckpt
+
+    section = SimpleNamespace(dir=str(root), resume=True, every=1, keep=None)
+    for step in (1, 2):
+        ckpt.save(section, {"counter": _Counter(step)}, step, {"data": 2})
+    if rank == 1:  # this rank's file system does not show step 2 yet (a lagging network mount)
+        ckpt.latest = lambda section: ckpt.step_dir(section, 1)
+    part = _Counter()
+    manager = ckpt.CheckpointManager(section, {"counter": part}, steps=3,
+                                     layout=SimpleNamespace(sizes=lambda: {"data": 2}))
+    return manager.resume(), part.value
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(dist_run, tmp_path):
+    """Which checkpoint to resume is a stage of the resume too: rank 0 chooses, every rank loads
+    that one. Before: each rank took the newest its own file system showed, and a rank that did
+    not see it yet loaded an older one beside its peers' (different weights per rank, or a
+    collective load that never matches)."""
+    assert dist_run(_resume_where_rank_1_lags, 2, tmp_path / "ckpt", timeout=120) == [(2, 2)] * 2

@@ -226,3 +226,39 @@ def test_a_failed_generation_leaves_its_server_idle_before_the_release(tmp_path)
         assert info["internal_states"][0]["paused"] is None  # generation let continue
     finally:
         engine.close()
+
+
+def _changes_of_held(tree) -> list[int]:
+    """Lines that assign what a server holds: `x.held = ...`, `x.held.version = ...`, ... (plain,
+    augmented or annotated assignments, tuple targets included)."""
+    import ast
+
+    def held(node) -> bool:
+        return isinstance(node, ast.Attribute) and (
+            node.attr == "held" or (isinstance(node.value, ast.Attribute)
+                                    and node.value.attr == "held"))
+
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            if any(held(n) for n in ast.walk(t)):
+                found.append(node.lineno)
+    return found
+
+
+def test_what_each_server_holds_is_changed_by_its_owner_alone():
+    """One owner of each server's weight state (its version, whether its memory is released):
+    weight_state.py, under the fleet's lock. The fleet, the engine and the weight sync ask it and
+    never change it themselves (where they did, a partly failed release or resume left the
+    state of one server kept in several places, none of them as the server answered)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "megapkl"
+    owner = root / "rollout" / "sglang" / "weight_state.py"
+    elsewhere = {str(p.relative_to(root)): lines for p in sorted(root.rglob("*.py"))
+                 if p != owner and (lines := _changes_of_held(ast.parse(p.read_text())))}
+    assert not elsewhere, f"a server's weight state changed outside weight_state.py: {elsewhere}"
+    assert _changes_of_held(ast.parse(owner.read_text()))  # (the check sees the owner's changes)
+    assert _changes_of_held(ast.parse("w.held.released = True\na, w.held = 1, 2\n")) == [1, 2]
