@@ -151,7 +151,8 @@ def build_rollout_stage(rollout: Any, *, model: Any, data: Any, reward: Any, adv
                                            retriever=retriever))
         engine = hold(build_run_engine(r, model, spec, tokenizer, work_dir=run_dir, seed=seed,
                                        layout=layout, replica=replica.dp_rank,
-                                       stopping=stopping, rank=replica.rank))
+                                       stopping=stopping, rank=replica.rank,
+                                       stop=turns.stop if turns is not None else ()))
     sampling = SamplingParams.from_rollout_config(r, topk_logprobs=r.topk_logprobs or 0,
                                                   return_routed_experts=model.routing_replay)
     ahead = None
