@@ -186,3 +186,35 @@ def test_a_trajectory_waiting_on_its_tool_holds_back_no_other(served):
     for a, b in zip(samples[4:6], alone):
         assert a.response_ids.tolist() == b.response_ids.tolist() and a.segments == b.segments
         torch.testing.assert_close(a.logp_behav, b.logp_behav, atol=0, rtol=0)
+
+
+def test_router_forwards_stop_strings_and_a_worker_without_tokenizer_is_refused(served,
+                                                                                 tmp_path):
+    """A turn through the real sglang-router ends at the same stop string as sent to the worker
+    (the router keeps `stop` and `no_stop_trim`); the worker's /server_info passes the run's
+    check for stop strings, the same report under --skip-tokenizer-init does not."""
+    from megapkl.rollout.sglang.served import Expected, mismatches
+    from sglang_fixtures import http, start_router, wait_router_ready
+
+    url, tok, _, _ = served
+    router = start_router(tmp_path, [url])
+    try:
+        wait_router_ready(router, 1)
+        body = {"input_ids": tok.encode("hi", add_special_tokens=False), "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 16, "sampling_seed": 3, "ignore_eos": True,
+                                    "stop": list(LETTERS), "no_stop_trim": True}}
+        direct, routed = http("POST", url + "/generate", body), http("POST", router.url +
+                                                                     "/generate", body)
+    finally:
+        router.stop()
+    assert direct[0] == routed[0] == 200, (direct, routed)
+    assert direct[1]["meta_info"]["finish_reason"]["matched"] in LETTERS
+    for key in ("output_ids", "text"):
+        assert routed[1][key] == direct[1][key]
+    assert routed[1]["meta_info"]["finish_reason"] == direct[1]["meta_info"]["finish_reason"]
+    info = http("GET", url + "/server_info")[1]
+    want = Expected(tp=info["tp_size"], kv_cache_dtype="auto", routed_experts=True,
+                    context_length=None, architectures=(), tokenizer=True)
+    assert info["skip_tokenizer_init"] is False and not mismatches(info, {}, want)
+    assert [m for m in mismatches({**info, "skip_tokenizer_init": True}, {}, want)
+            if "--skip-tokenizer-init" in m]
