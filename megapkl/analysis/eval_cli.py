@@ -248,6 +248,7 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     import json
 
     from megapkl.config.layout import Layout
+    from megapkl.envs import stop_strings
     from megapkl.rollout.factory import build_run_engine, load_tokenizer
     from megapkl.eval.runner import (Scoring, evaluate, load_benchmarks, settings,
                                      summarize_records, write_results)
@@ -266,7 +267,8 @@ def run_eval(target: str, benchmarks: Sequence[str] = (), overrides: Sequence[st
     apply_section_overrides(benches, section_overrides(overrides), cfg.eval.n_samples)
     spec, weights = policy_weights(cfg, ckpt)
     engine = build_run_engine(cfg.rollout, cfg.model, spec, tokenizer, work_dir=cfg.run_dir,
-                              seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1))  # one process
+                              seed=cfg.seed, layout=Layout.of(cfg.parallel, world=1),  # 1 process
+                              stop=stop_strings(cfg.env))
     with contextlib.ExitStack() as held:  # the engine (its SGLang servers) closed however this ends
         held.callback(engine.close)
         hold = lambda x: x if x is None else held.enter_context(contextlib.closing(x))  # noqa: E731

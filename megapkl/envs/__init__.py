@@ -73,6 +73,21 @@ def build_env(env: Any, task: Any = None, retriever: Any = None):
     raise ValueError(f"env.type: unknown {env.type!r}")
 
 
+def stop_strings(env: Any) -> tuple[str, ...]:
+    """The stop strings that end the policy's turns under the env section: env.stop, else the
+    environment's own (the search agent's tags). An engine's servers must match them, which
+    SGLang does only with the model's tokenizer (rollout/sglang/launch.py)."""
+    if not env.multi_turn:
+        return ()
+    if env.stop is not None:
+        return tuple(env.stop)
+    if env.type == "search":
+        from megapkl.envs.search import STOP
+
+        return tuple(STOP)
+    return ()
+
+
 def build_turn_driver(env: Any, max_response_len: int, tokenizer: Any, task: Any = None,
                       retriever: Any = None) -> Optional[Any]:
     """The engine's `TurnDriver` for the env section, or None when responses are single-turn
@@ -83,8 +98,7 @@ def build_turn_driver(env: Any, max_response_len: int, tokenizer: Any, task: Any
     from megapkl.rollout.turns import Budgets, TurnDriver
 
     environment = build_env(env, task, retriever)
-    if env.stop is not None:
-        environment.stop = tuple(env.stop)
+    environment.stop = stop_strings(env)
     budgets = Budgets(max_turns=env.max_turns, max_response_tokens=max_response_len,
                       max_turn_tokens=env.max_turn_tokens,
                       max_observation_tokens=env.max_observation_tokens)

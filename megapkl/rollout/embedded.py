@@ -29,6 +29,7 @@ from megapkl.rollout.engine import (RolloutEngine, RolloutEngineError, SamplingP
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sampling import draw, step_logprobs, top_logprobs
 from megapkl.rollout.seeds import row_seeds, uniforms
+from megapkl.rollout.stops import StopStrings
 from megapkl.rollout.version_store import StoredVersion
 
 if TYPE_CHECKING:
@@ -422,6 +423,9 @@ class EmbeddedEngine(RolloutEngine):
         self._check_lengths(prompts, sampling)
         if sampling.return_routed_experts and not self.is_moe:
             raise ValueError("return_routed_experts needs a mixture-of-experts model")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer (it decodes the output's "
+                             "last tokens to find them)")
         if sampling.topk_logprobs > self.config.vocab_size:
             raise ValueError(f"topk_logprobs ({sampling.topk_logprobs}) exceeds the vocabulary "
                              f"({self.config.vocab_size})")
@@ -478,6 +482,7 @@ class EmbeddedEngine(RolloutEngine):
         return Sample(uid=uid, group_id=group, prompt_ids=prompt.prompt_ids,
                       response_ids=out["response_ids"], logp_behav=out["logp"],
                       version=self._version, finish_reason=out["finish"],
+                      matched=out.get("matched"),
                       temperature=sampling.logprob_temperature, topk_ids=out.get("topk_ids"),
                       topk_logp=out.get("topk_logp"), routed_experts=out.get("experts"),
                       prompt_text=prompt.text, response_text=text, answer=prompt.answer,
@@ -495,6 +500,8 @@ class EmbeddedEngine(RolloutEngine):
         if self._recorder is not None:
             self._recorder.reset(active=want_experts)
         stop = self._stop_ids(sampling)
+        strings = StopStrings(sampling.stop, self.tokenizer)
+        matched: list[Optional[str]] = [None] * batch
         steps: list[dict[str, Tensor]] = []
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(finished)
@@ -507,6 +514,8 @@ class EmbeddedEngine(RolloutEngine):
             steps.append(self._record_step(logp, token, sampling))
             lengths += (~finished).long()
             hit = ~finished & torch.isin(token, stop) if stop.numel() else torch.zeros_like(finished)
+            if strings:  # checked first, as SGLang does: a string beats a stop token
+                hit |= self._stop_strings_hit(strings, steps, finished, matched)
             stopped |= hit
             finished |= hit
             if bool(finished.all()) or t == sampling.max_new_tokens - 1:
@@ -514,7 +523,22 @@ class EmbeddedEngine(RolloutEngine):
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             pos = pos[:, -1:] + 1
             out = self._forward(token[:, None], mask, pos, cache=out.past_key_values)
-        return self._split_rows(prompt_ids, steps, lengths, stopped, want_experts)
+        rows = self._split_rows(prompt_ids, steps, lengths, stopped, want_experts)
+        for row, m in zip(rows, matched):
+            row["matched"] = m
+        return rows
+
+    def _stop_strings_hit(self, strings: StopStrings, steps: list[dict[str, Tensor]],
+                          finished: Tensor, matched: list[Optional[str]]) -> Tensor:
+        """[B] bool: the rows still going whose output now ends in a stop string (recorded in
+        `matched`); a row's output is its sampled tokens so far (rollout/stops.py)."""
+        hit = torch.zeros_like(finished)
+        window = torch.stack([s["token"] for s in steps[-strings.window:]], dim=1)
+        for b in (~finished).nonzero().flatten().tolist():
+            m = strings.match(window[b].tolist())
+            if m is not None:
+                matched[b], hit[b] = m, True
+        return hit
 
     def _prefill(self, prompt_ids: list[Tensor], firsts: list[int]):
         """The prompts' forward pass, once per distinct prompt (rows `firsts`), then its cache,

@@ -26,7 +26,8 @@ from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.rollout.sampling import draw, step_logprobs
 from megapkl.rollout.seeds import uniforms_at
-from megapkl.rollout.turns import Trajectory, TurnDriver, matched_stop
+from megapkl.rollout.stops import StopStrings
+from megapkl.rollout.turns import Trajectory, TurnDriver
 
 
 def generate_trajectories(engine: Any, prompts: Sequence[PromptItem], n: int,
@@ -53,8 +54,7 @@ class _Rounds:
         self.draws, self.firsts = draws, firsts
         self.batch = len(trajs)
         self.stop_ids = engine._stop_ids(sampling)
-        # SGLang decodes the last (longest stop string's tokens + 1) tokens to look for a stop
-        self.tail = 1 + max((len(driver.encode(s)) for s in driver.stop), default=0)
+        self.stops = StopStrings(driver.stop, driver.tokenizer)  # SGLang's rule (rollout/stops.py)
         self.experts: Optional[list[list[Tensor]]] = None
 
     def run(self) -> None:
@@ -109,12 +109,10 @@ class _Rounds:
         """Did row r's turn just end? If so its action goes into its trajectory."""
         last = int(steps[-1]["token"])
         ids = torch.stack([s["token"] for s in steps])
-        matched, finish = None, None
-        if self.stop_ids.numel() and last in self.stop_ids.tolist():
+        matched = self.stops.match(ids.tolist())  # a stop string first, as SGLang checks
+        finish = "stop" if matched is not None else None
+        if finish is None and self.stop_ids.numel() and last in self.stop_ids.tolist():
             finish = "stop"
-        elif self.driver.stop:
-            matched = matched_stop(self.driver.decode(ids[-self.tail:]), self.driver.stop)
-            finish = "stop" if matched is not None else None
         if finish is None and len(steps) >= budget:
             finish = "length"
         if finish is None:

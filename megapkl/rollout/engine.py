@@ -52,6 +52,8 @@ class SamplingParams:
     does the same). top_k -1 and top_p 1 are off. Both truncations act on the temperature-scaled
     full-vocabulary distribution and the kept set is their intersection (SGLang's sampler); the
     reported log-probs are never truncated. `stop_token_ids` None means the engine's EOS ids.
+    `stop` strings end a response as SGLang matches them (rollout/stops.py); its ids keep the
+    stop string, its text too with `no_stop_trim`.
     """
 
     max_new_tokens: int = 128
@@ -60,6 +62,8 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: Optional[tuple[int, ...]] = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # SGLang `stop`: stop strings (a tokenizer decodes their window)
+    no_stop_trim: bool = False  # SGLang `no_stop_trim`: the response's text keeps the stop string
     seed: Optional[int] = None  # SGLang `sampling_seed`; None: the engine's running generator
     # One seed per prompt of the call (overrides `seed`): the caller names each prompt's draws, so
     # a group's samples do not depend on which other prompts share the call (rollout/seeds.py).
@@ -79,11 +83,15 @@ class SamplingParams:
             problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.topk_logprobs < 0:
             problems.append(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(x, str) for x in stop):
+            problems.append(f"stop must be strings, got {self.stop!r}")
         if self.prompt_seeds is not None and any(not 0 <= int(x) < 2**63
                                                  for x in self.prompt_seeds):
             problems.append("prompt_seeds must be integers in [0, 2**63)")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
+        object.__setattr__(self, "stop", stop)
         if self.prompt_seeds is not None:
             object.__setattr__(self, "prompt_seeds", tuple(int(x) for x in self.prompt_seeds))
         if self.stop_token_ids is not None:

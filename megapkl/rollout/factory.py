@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megapkl.config.layout import Layout
 from megapkl.rollout.engine import RolloutEngine, RolloutError
@@ -80,6 +80,10 @@ class EngineContext:
     # True once the run is stopping (a stop signal or a preemption on this rank): launched servers
     # may have received the same signal, so nobody waits for them any more
     stopping: Callable[[], bool] = lambda: False
+    # the environment's stop strings (env section): launched SGLang servers then hold the
+    # model's tokenizer (`tokenizer_path`: model.tokenizer or model.hf_checkpoint) to match them
+    stop: tuple[str, ...] = ()
+    tokenizer_path: Optional[str] = None
 
 
 def build_engine(rollout: Any, ctx: EngineContext, tokenizer: Any = None,
@@ -113,22 +117,27 @@ def check_engine_hosts(rollout: Any, hosts: list[str], per_node: int) -> None:
 def engine_context(model: Any, hf_config: dict, *, work_dir: Any, seed: int, layout: Layout,
                    device: Any = "cpu", dtype: Any = None, replica: int = 0,
                    rank: Optional[int] = None,
-                   stopping: Callable[[], bool] = lambda: False) -> EngineContext:
-    """The engine context of the model section for a model's HF config mapping."""
+                   stopping: Callable[[], bool] = lambda: False,
+                   stop: Sequence[str] = ()) -> EngineContext:
+    """The engine context of the model section for a model's HF config mapping; `stop`: the
+    environment's stop strings (megapkl.envs.stop_strings)."""
     return EngineContext(hf_config=hf_config, work_dir=Path(work_dir), seed=seed,
                          model_dtype=model.dtype, hf_checkpoint=model.hf_checkpoint,
                          routing_replay=model.routing_replay, device=device, dtype=dtype,
-                         replica=replica, layout=layout, rank=rank, stopping=stopping)
+                         replica=replica, layout=layout, rank=rank, stopping=stopping,
+                         stop=tuple(stop), tokenizer_path=model.tokenizer or model.hf_checkpoint)
 
 
 def build_run_engine(rollout: Any, model: Any, spec: Any, tokenizer: Any, *, work_dir: Any,
                      seed: int, layout: Layout, replica: int = 0,
                      stopping: Callable[[], bool] = lambda: False,
-                     rank: Optional[int] = None) -> RolloutEngine:
+                     rank: Optional[int] = None, stop: Sequence[str] = ()) -> RolloutEngine:
     """The run's rollout engine (the rollout section's) for the trainer model `spec` (the model
     section's), on the device and in the dtype the model dtype calls for
     (`megapkl.models.provider.engine_placement`); empty: weights come through update_weights.
-    Its model config carries the run's stop, pad and BOS ids (`run_token_ids`)."""
+    Its model config carries the run's stop, pad and BOS ids (`run_token_ids`); `stop`: the
+    environment's stop strings (megapkl.envs.stop_strings), which SGLang servers need the
+    tokenizer for."""
     from megapkl.models.provider import engine_placement
     from megapkl.models.spec import hf_config_dict
 
@@ -136,5 +145,5 @@ def build_run_engine(rollout: Any, model: Any, spec: Any, tokenizer: Any, *, wor
     hf = hf_config_dict(spec, dtype=str(dtype).split(".")[-1],
                         **run_token_ids(model, spec, tokenizer))
     ctx = engine_context(model, hf, work_dir=work_dir, seed=seed, layout=layout, device=device,
-                         dtype=dtype, replica=replica, rank=rank, stopping=stopping)
+                         dtype=dtype, replica=replica, rank=rank, stopping=stopping, stop=stop)
     return build_engine(rollout, ctx, tokenizer)

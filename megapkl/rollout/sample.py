@@ -89,7 +89,8 @@ class Sample:
     response_ids: Tensor  # [R] int64, includes the stop token when finish_reason == "stop"
     logp_behav: Tensor  # [A] float32, one per action token (module docstring)
     version: int  # policy version that generated the response (the oldest of `versions`)
-    finish_reason: str = "length"  # "stop" (a stop token was sampled) | "length" | "abort"
+    finish_reason: str = "length"  # "stop" (a stop token or stop string) | "length" | "abort"
+    matched: Optional[str] = None  # the stop string that ended the response, when one did
     temperature: float = 1.0  # the temperature logp_behav / topk_logp were computed at
     topk_ids: Optional[Tensor] = None  # [A, K] int64
     topk_logp: Optional[Tensor] = None  # [A, K] float32

@@ -210,6 +210,7 @@ class Trajectory:
         return Sample(uid=uid, group_id=group, prompt_ids=self.prompt.prompt_ids,
                       response_ids=self.response_ids, logp_behav=torch.cat(self.logp),
                       version=int(versions.min()), finish_reason=self.finish,
+                      matched=self.matched,
                       temperature=temperature, topk_ids=cat(self.topk_ids),
                       topk_logp=cat(self.topk_logp), routed_experts=cat(self.experts),
                       segments=tuple(self.segments) if multi else None,
@@ -363,14 +364,6 @@ class TurnDriver:
         close = getattr(self.env, "close", None)
         if close is not None:
             close()
-
-
-def matched_stop(text: str, stop: Sequence[str]) -> Optional[str]:
-    """The first stop string found in `text` (SGLang's rule: `stop_str in tail`), else None."""
-    for s in stop:
-        if s and s in text:
-            return s
-    return None
 
 
 def _origin(prompt: PromptItem) -> str:

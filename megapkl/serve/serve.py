@@ -30,8 +30,8 @@ from megapkl.rollout.sglang.http import is_loopback
 from megapkl.rollout.sample import PromptItem, Sample
 from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _spans,
                                             encode_routed_experts, expand_layers, finish_reason,
-                                            parse_generate, parse_sampling, validate_body,
-                                            validation_error)
+                                            parse_generate, parse_sampling, response_text,
+                                            validate_body, validation_error)
 from megapkl.serve.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
                                          _Interrupted, write_weight_digest)
 
@@ -108,7 +108,7 @@ class SGLangCompatServer:
         groups: dict[str, list[tuple[Item, SamplingParams, int]]] = {}
         for item in items:
             self._validate_item(item)
-            alone, n = parse_sampling(item.sampling, vocab, eos)  # a bad field: 400 here
+            alone, n = parse_sampling(item.sampling, vocab, eos, self.tokenizer)  # bad: 400
             rest = {k: v for k, v in item.sampling.items() if k != "sampling_seed"}
             key = json.dumps([rest, alone.seed is not None, item.top_logprobs_num, item.routed],
                              sort_keys=True)
@@ -137,7 +137,8 @@ class SGLangCompatServer:
             out.extend(self._format(item, s, j, len(item.samples))
                        for j, s in enumerate(item.samples))
             if item.error is not None:
-                n = parse_sampling(item.sampling, engine.config.vocab_size, ())[1]
+                n = parse_sampling(item.sampling, engine.config.vocab_size, (),
+                                   self.tokenizer)[1]
                 out.extend(self._aborted(item, j, n) for j in range(n))
         return out
 
@@ -203,7 +204,7 @@ class SGLangCompatServer:
             meta["routed_experts"] = encode_routed_experts(experts[item.routed_start:])
         out = {"output_ids": s.response_ids.tolist(), "meta_info": meta}
         if tok is not None:
-            out["text"] = tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
+            out["text"] = response_text(s, item.sampling, tok)
         return out
 
     def _logprobs(self, item: Item, s: Sample) -> dict:

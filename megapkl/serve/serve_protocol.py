@@ -16,6 +16,7 @@ import torch
 
 from megapkl.rollout.engine import SamplingParams
 from megapkl.rollout.sample import Sample
+from megapkl.rollout.stops import StopStrings, trim_text
 from megapkl.serve.serve_state import RequestError
 
 # Request fields this server reads (all are SGLang fields; tests/rollout/test_sglang_protocol.py).
@@ -28,13 +29,13 @@ UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audi
                                "custom_logit_processor", "session_params",
                                "return_sampling_mask", "return_indexer_topk")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
-                   "ignore_eos", "n", "sampling_seed", "skip_special_tokens",
+                   "stop", "ignore_eos", "n", "sampling_seed", "skip_special_tokens",
                    "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens",
                    "frequency_penalty", "presence_penalty", "repetition_penalty")
 # Sampling fields accepted only at their neutral value (a client may send SGLang's defaults).
 _NEUTRAL = {"min_p": 0.0, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
             "repetition_penalty": 1.0, "skip_special_tokens": None,
-            "spaces_between_special_tokens": None, "no_stop_trim": None}
+            "spaces_between_special_tokens": None}
 # Body fields per route that this server reads, with the JSON type SGLang's request class gives
 # them ("int", "str", "bool", "list"; "?" suffix: null allowed). "*" marks a required field. Names
 # are checked against SGLang's classes (tests/rollout/test_sglang_protocol.py), answers against
@@ -151,8 +152,10 @@ def _check_type(key: str, value: Any, kind: str) -> None:
                         f"{ {'int': 'an integer', 'num': 'a number', 'bool': 'a boolean'}[kind]}")
 
 
-def parse_sampling(sp: Any, vocab: int, eos: tuple[int, ...]) -> tuple[SamplingParams, int]:
-    """SGLang sampling_params (a closed set) -> (SamplingParams, n)."""
+def parse_sampling(sp: Any, vocab: int, eos: tuple[int, ...],
+                   tokenizer: Any = None) -> tuple[SamplingParams, int]:
+    """SGLang sampling_params (a closed set) -> (SamplingParams, n). Stop strings need the
+    server's `tokenizer`, as SGLang's (refused with its message without one)."""
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
@@ -162,7 +165,7 @@ def parse_sampling(sp: Any, vocab: int, eos: tuple[int, ...]) -> tuple[SamplingP
             raise _contract(f"unknown field `{key}` in sampling_params, expected one of "
                             + ", ".join(f"`{f}`" for f in SAMPLING_FIELDS))
     kinds = {"max_new_tokens": "int", "temperature": "num", "top_p": "num", "top_k": "int",
-             "n": "int", "sampling_seed": "int", "ignore_eos": "bool"}
+             "n": "int", "sampling_seed": "int", "ignore_eos": "bool", "no_stop_trim": "bool"}
     for key, kind in kinds.items():
         if sp.get(key) is not None:
             _check_type(key, sp[key], kind)
@@ -174,6 +177,7 @@ def parse_sampling(sp: Any, vocab: int, eos: tuple[int, ...]) -> tuple[SamplingP
     if stop is not None and not (isinstance(stop, list) and all(
             isinstance(i, int) and not isinstance(i, bool) for i in stop)):
         raise _contract("invalid type: `stop_token_ids`, expected a list of integers")
+    strings = _stop_strings(sp.get("stop"), tokenizer)
     top_k = sp.get("top_k")
     top_k = -1 if top_k is None or top_k == -1 or top_k >= vocab else top_k
     ignore_eos = bool(sp.get("ignore_eos") or False)
@@ -187,10 +191,26 @@ def parse_sampling(sp: Any, vocab: int, eos: tuple[int, ...]) -> tuple[SamplingP
                                 temperature=float(_or(sp.get("temperature"), 1.0)),
                                 top_p=float(_or(sp.get("top_p"), 1.0)), top_k=top_k,
                                 stop_token_ids=stops, ignore_eos=ignore_eos,
+                                stop=strings, no_stop_trim=bool(sp.get("no_stop_trim") or False),
                                 seed=sp.get("sampling_seed"))
     except ValueError as exc:
         raise RequestError(str(exc).replace("SamplingParams: ", "sampling_params: ")) from None
     return params, n
+
+
+def _stop_strings(stop: Any, tokenizer: Any) -> tuple[str, ...]:
+    """`stop` (a string or a list of strings), checked as SGLang's normalize checks it."""
+    if stop is None:
+        return ()
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list) or not all(isinstance(x, str) for x in strings):
+        raise _contract(f"invalid type: {json.dumps(stop)[:100]} for `stop`, expected a string "
+                        "or an array of strings")
+    try:
+        StopStrings(strings, tokenizer)  # SGLang's count limit and tokenizer requirement
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    return tuple(strings)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -275,6 +295,8 @@ def _rids(rid: Any, count: int, batched: bool) -> list[str]:
 
 
 def finish_reason(sample: Sample) -> dict:
+    if sample.finish_reason == "stop" and sample.matched is not None:  # a stop string
+        return {"type": "stop", "matched": sample.matched}
     if sample.finish_reason == "stop":
         return {"type": "stop", "matched": int(sample.response_ids[-1])}
     return {"type": "length", "length": sample.response_len}
@@ -315,3 +337,13 @@ def _spans(spans: list, length: int) -> list[dict]:
         if end > start or not out:
             out.append({"version": version, "start": start, "end": end})
     return out
+
+
+def response_text(sample: Sample, sampling: dict, tokenizer: Any) -> str:
+    """The response's text as SGLang's detokenizer gives it: a stop token left out unless
+    no_stop_trim, the text cut at a stop string (after it with no_stop_trim)."""
+    keep = bool(sampling.get("no_stop_trim") or False)
+    ids = sample.response_ids.tolist()
+    if sample.finish_reason == "stop" and sample.matched is None and not keep:
+        ids = ids[:-1]
+    return trim_text(tokenizer.decode(ids, skip_special_tokens=True), sample.matched, keep)

@@ -387,7 +387,8 @@ class Trainer:
             engine = self.context.hold(build_run_engine(
                 r, cfg.model, self.learner.spec, self.tokenizer, work_dir=self.run_dir,
                 seed=cfg.seed, layout=self.layout, replica=replica.dp_rank,
-                stopping=self.context.stopping, rank=replica.rank))
+                stopping=self.context.stopping, rank=replica.rank,
+                stop=self.turns.stop if self.turns is not None else ()))
         return EngineSlot(engine, self.versions, group=replica.group,
                           shared=len(replica.owners) > 1, ahead=ahead, timers=self.timers,
                           releases_memory=r.engine == "sglang" and releases_memory(r.sglang))

@@ -17,6 +17,13 @@ process never imports sglang. SGLang code executed, by function:
   (`load_format` None -> the server's own); this applies it and then runs `get_model_loader` and
   the `isinstance(loader, DefaultModelLoader)` check of `WeightUpdater.update_weights_from_disk`.
 - `parse_router_args`: sglang_router's own `parse_router_args`.
+- `stop_request`: a /generate body with stop strings, as a server started with `argv` takes it:
+  the contract gate, `GenerateReqInput`, the tokenizer the tokenizer manager loads for those
+  arguments (`get_tokenizer(tokenizer_path, ...)`, none under --skip-tokenizer-init), then
+  `SamplingParams(**sampling_params).normalize(tokenizer)` (where `raise_if_tokenizer_required`
+  refuses stop strings without one) and `.verify(vocab_size)`.
+- `stop_matches`: SGLang's own stop-string check (`Req._check_str_based_finish`, `tail_str`,
+  `_locate_str_stop_finished_len`), run after each token of given outputs as the scheduler runs it.
 - `start_front`: SGLang's FastAPI application (`sglang.srt.entrypoints.http_server.app`: its
   routes, request-body validation into the io_struct classes, error handlers, response bodies)
   served by uvicorn on loopback, in front of `reference_backend.CpuBackend`.
@@ -251,6 +258,83 @@ def generate_request(body: dict, vocab_size: int) -> dict[str, Any]:
             "ignore_eos": p0.ignore_eos,
             "stop_token_ids": sorted(p0.stop_token_ids or ()),
             "seeds": [getattr(p, "sampling_seed", None) for p in params]}
+
+
+def _tokenizer(args):
+    """The tokenizer SGLang's tokenizer manager loads for these server arguments (a text-only
+    model: `init_tokenizer_and_processor`), None under --skip-tokenizer-init."""
+    from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+    if args.skip_tokenizer_init:
+        return None
+    return get_tokenizer(args.tokenizer_path, tokenizer_mode=args.tokenizer_mode,
+                         trust_remote_code=args.trust_remote_code, revision=args.revision,
+                         tokenizer_backend=args.tokenizer_backend)
+
+
+def stop_request(argv: list[str], body: dict, vocab_size: int) -> dict[str, Any]:
+    """A single /generate body through what a server started with `argv` does with it before
+    scheduling: the contract gate, GenerateReqInput, and its sampling_params normalized with the
+    server's tokenizer and verified (see the module docstring)."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    error = generate_contract_error(body)
+    if error is not None:
+        return {"error": error}
+    try:
+        args = server_args(argv)
+        tokenizer = _tokenizer(args)
+        obj = GenerateReqInput(**body)
+        obj.normalize_batch_and_arguments()
+        sp = SamplingParams(**obj.sampling_params)
+        sp.normalize(tokenizer)
+        sp.verify(vocab_size)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"skip_tokenizer_init": args.skip_tokenizer_init,
+            "tokenizer_path": args.tokenizer_path, "input_ids": list(obj.input_ids),
+            "stop_strs": list(sp.stop_strs), "stop_str_max_len": sp.stop_str_max_len,
+            "no_stop_trim": sp.no_stop_trim, "max_new_tokens": sp.max_new_tokens,
+            "sampling_seed": getattr(sp, "sampling_seed", None), "n": obj.parallel_sample_num,
+            "return_logprob": obj.return_logprob, "logprob_start_len": obj.logprob_start_len,
+            "top_logprobs_num": obj.top_logprobs_num,
+            "return_routed_experts": obj.return_routed_experts,
+            "routed_experts_start_len": obj.routed_experts_start_len}
+
+
+def stop_matches(tokenizer_dir: str, stop: list[str], outputs: list[list[int]]) -> list:
+    """For each output (token ids, generated one by one), where SGLang's scheduler finds a stop
+    string: (tokens generated when it does, the matched string, finished_len), or None."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(tokenizer_dir)
+    sp = SamplingParams(stop=stop, max_new_tokens=64)
+    sp.normalize(tokenizer)
+
+    class Output:  # a request's finish-check state, with Req's own methods
+        tail_str = Req.tail_str
+        _stop_match_tail_len = Req._stop_match_tail_len
+        _locate_str_stop_finished_len = Req._locate_str_stop_finished_len
+        _check_str_based_finish = Req._check_str_based_finish
+
+        def __init__(self):
+            self.sampling_params, self.tokenizer, self.decoded_text = sp, tokenizer, ""
+            self.output_ids, self.finished_reason, self.finished_len = [], None, None
+
+    out = []
+    for ids in outputs:
+        req, found = Output(), None
+        for i in ids:
+            req.output_ids.append(int(i))
+            if req._check_str_based_finish(1):
+                found = (len(req.output_ids), req.finished_reason.matched, req.finished_len)
+                break
+        out.append(found)
+    return out
 
 
 def deserialize(payload: str) -> list:

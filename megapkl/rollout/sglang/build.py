@@ -95,6 +95,28 @@ def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokeni
     return str(path), True
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def served_tokenizer(ctx: Any) -> Optional[str]:
+    """The tokenizer directory the servers load: None (they run --skip-tokenizer-init, ids in
+    and out) unless the environment has stop strings (`ctx.stop`), which SGLang matches in
+    decoded text and refuses without its tokenizer (sampling_params.raise_if_tokenizer_required);
+    then model.tokenizer, else model.hf_checkpoint (`ctx.tokenizer_path`), which must hold the
+    tokenizer's files."""
+    if not ctx.stop:
+        return None
+    path = ctx.tokenizer_path
+    if not path or not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        where = f"{path} has no {' or '.join(TOKENIZER_FILES)}" if path else \
+            "neither model.tokenizer nor model.hf_checkpoint is set"
+        raise ServerLaunchError(
+            f"env.stop: the environment's stop strings {list(ctx.stop)} are matched by the SGLang "
+            f"servers in decoded text, which needs the model's tokenizer there ({where}): set "
+            "model.tokenizer to the tokenizer's directory")
+    return str(path)
+
+
 def node_gpus() -> Optional[int]:
     """GPUs on this node: Slurm's count for the job, else CUDA's (None: none seen)."""
     import torch
@@ -171,12 +193,14 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                           "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
                           "tensor or disk, or rollout.sglang.colocate false")
 
+    tokenizer_path = served_tokenizer(ctx)
+
     def make_cmd(host: str, port: int, base_gpu_id: Optional[int]) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
                               kv_cache_dtype=rollout.kv_cache_dtype,
                               routed_experts=ctx.routing_replay,
                               context_length=sg.context_length, dummy_weights=dummy,
-                              base_gpu_id=base_gpu_id)
+                              base_gpu_id=base_gpu_id, tokenizer_path=tokenizer_path)
 
     specs = plan_servers(sg, log_dir=work / "logs", make_cmd=make_cmd, host=sg.host,
                          replica=lane.lane, slots=slots, replicas=lane.lanes,

@@ -2,7 +2,7 @@
 
 `server_command` builds `python -m sglang.launch_server` with the flags of `rollout.sglang`; when
 `rollout.sglang.server_command` is set, that argument list is used instead, with `{model_path}`,
-`{host}`, `{port}`, `{tp}`, `{ep}` and `{python}` substituted (how the tests and CPU boxes run
+`{host}`, `{port}`, `{tp}`, `{ep}`, `{python}` and `{tokenizer_path}` substituted (how the tests and CPU boxes run
 `megapkl serve` through the same code path). Every process writes its log into the run directory,
 runs in its own session (so a kill takes its children too) and dies with the trainer (Linux
 parent-death signal). Each server gets its GPUs with `--base-gpu-id` (placement.py). Inside a
@@ -203,17 +203,22 @@ def slurm_nodes() -> list[str]:
 
 def server_command(sg: Any, *, model_path: str, host: str, port: int,
                    kv_cache_dtype: str, routed_experts: bool, context_length: Optional[int],
-                   dummy_weights: bool, base_gpu_id: Optional[int] = None) -> list[str]:
+                   dummy_weights: bool, base_gpu_id: Optional[int] = None,
+                   tokenizer_path: Optional[str] = None) -> list[str]:
     """The argument list of one server (see the module docstring for `server_command`).
     FP8 needs no flag: the served model directory's config.json carries the block-FP8
-    quantization_config, from which SGLang resolves its quantization (see build.py)."""
+    quantization_config, from which SGLang resolves its quantization (see build.py).
+    Servers get ids and answer ids (--skip-tokenizer-init), unless `tokenizer_path`: the
+    environment's stop strings are matched in decoded text, which SGLang refuses to do without
+    its tokenizer (`raise_if_tokenizer_required`), so the server then loads that one."""
     subst = {"python": sys.executable, "model_path": model_path, "host": host, "port": str(port),
-             "tp": str(sg.tp), "ep": str(sg.ep)}
+             "tp": str(sg.tp), "ep": str(sg.ep), "tokenizer_path": tokenizer_path or ""}
     if sg.server_command:
         return [a.format(**subst) for a in sg.server_command] + list(sg.extra_args)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", host, "--port", str(port), "--tp-size", str(sg.tp), "--ep-size", str(sg.ep),
-           "--mem-fraction-static", str(sg.mem_fraction_static), "--skip-tokenizer-init"]
+           "--mem-fraction-static", str(sg.mem_fraction_static)]
+    cmd += ["--tokenizer-path", tokenizer_path] if tokenizer_path else ["--skip-tokenizer-init"]
     if base_gpu_id is not None:
         cmd += ["--base-gpu-id", str(base_gpu_id)]
     if dummy_weights:

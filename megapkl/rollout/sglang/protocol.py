@@ -13,8 +13,13 @@ Wire facts (SGLang 0.5.x):
   seed each (`generate_payload(..., seed_each=True)`).
 - `meta_info.output_token_logprobs`: [[logprob, token_id, text|null], ...] per response token;
   `output_top_logprobs`: per response token a list of [logprob, id, text] sorted descending.
-- `meta_info.routed_experts`: base64 of int32 [P + C - 1, num_hidden_layers, top_k] (C counts the
-  stop token); the layer axis covers every hidden layer, dense layers' slots are zeros.
+- `meta_info.routed_experts`: base64 of int32 [P + C - 1 - S, num_hidden_layers, top_k] (C counts
+  the stop token, S is `routed_experts_start_len`: the rows of positions S..P+C-2); the layer
+  axis covers every hidden layer, dense layers' slots are zeros.
+- `stop` (strings) ends a response once the decoded text of its last tokens holds one
+  (rollout/stops.py): `finish_reason` {"type": "stop", "matched": "<the string>"} (a stop token:
+  "matched" is its id); `output_ids` always keep the stop string, the text only with
+  `no_stop_trim`. A server started with --skip-tokenizer-init refuses stop strings.
 - `meta_info.weight_version`: a string, the version set by `/update_weight_version`.
 """
 from __future__ import annotations
@@ -58,10 +63,11 @@ ROUTES: dict[str, tuple[str, str]] = {
 
 # Top-level fields of a /generate body (SGLang's GenerateReqInput).
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                             "top_logprobs_num", "return_routed_experts", "stream"})
+                             "top_logprobs_num", "return_routed_experts",
+                             "routed_experts_start_len", "stream"})
 # Keys of `sampling_params` (SGLang's closed SamplingParams set; an unknown key is HTTP 400).
 SAMPLING_FIELDS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-                             "ignore_eos", "n", "sampling_seed"})
+                             "ignore_eos", "n", "sampling_seed", "stop", "no_stop_trim"})
 # Body fields per route (SGLang's request class of that route); routes absent here send `{}`.
 REQUEST_FIELDS: dict[str, frozenset] = {
     "generate": GENERATE_FIELDS,
@@ -122,15 +128,21 @@ def sampling_payload(sampling: SamplingParams, n: int, seed: Optional[int]) -> d
     }
     if sampling.stop_token_ids is not None:
         params["stop_token_ids"] = [int(i) for i in sampling.stop_token_ids]
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    if sampling.no_stop_trim:
+        params["no_stop_trim"] = True
     if seed is not None:
         params["sampling_seed"] = int(seed)
     return params
 
 
 def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int,
-                     seed: Optional[int] = None, seed_each: bool = False) -> dict[str, Any]:
+                     seed: Optional[int] = None, seed_each: bool = False,
+                     routed_start: int = 0) -> dict[str, Any]:
     """A /generate body: one prompt, `n` responses, log-probs of the response tokens only
-    (`logprob_start_len` -1), top-K when `sampling.topk_logprobs`, routed experts when asked.
+    (`logprob_start_len` -1), top-K when `sampling.topk_logprobs`, routed experts when asked
+    (from position `routed_start` on: `routed_experts_start_len`).
 
     One request with `n`, unless `seed_each` (servers that draw from the seed alone) with a
     `seed` and n > 1: then a batch of n copies of the prompt whose response j is seeded
@@ -153,6 +165,8 @@ def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, n: int
         body["top_logprobs_num"] = int(sampling.topk_logprobs)
     if sampling.return_routed_experts:
         body["return_routed_experts"] = True
+        if routed_start:
+            body["routed_experts_start_len"] = int(routed_start)
     return check_fields("generate", body)
 
 
@@ -174,8 +188,9 @@ class Decoded:
     version: int
     topk_ids: Optional[Tensor] = None  # [R, K]
     topk_logp: Optional[Tensor] = None
-    routed_experts: Optional[Tensor] = None  # [P + R - 1, moe_layers, top_k] int32
+    routed_experts: Optional[Tensor] = None  # [P + R - 1 - start, moe_layers, top_k] int32
     text: Optional[str] = None
+    matched: Optional[str] = None  # the stop string that ended the response, when one did
 
 
 def as_response_list(payload: Any, n: int) -> list[dict]:
@@ -202,6 +217,13 @@ def parse_finish(meta: dict) -> str:
     if kind not in FINISH_REASONS:
         raise ProtocolError(f"/generate: unknown finish_reason {fr!r}")
     return kind
+
+
+def matched_string(meta: dict) -> Optional[str]:
+    """The stop string a `finish_reason` names (a stop token's "matched" is its id: None)."""
+    fr = meta.get("finish_reason")
+    matched = fr.get("matched") if isinstance(fr, dict) else None
+    return matched if isinstance(matched, str) else None
 
 
 def decode_token_logprobs(meta: dict, output_ids: Optional[Sequence[int]]) -> tuple[Tensor, Tensor]:
@@ -244,32 +266,36 @@ def moe_layer_indices(hf_config: dict) -> list[int]:
 
 
 def decode_routed_experts(meta: dict, *, prompt_len: int, response_len: int, num_hidden_layers: int,
-                          moe_layers: Sequence[int], top_k: int) -> Tensor:
-    """int32 [P + R - 1, len(moe_layers), top_k]: the trainer's replay rows (row i = the token at
-    position i whose successor was predicted), the MoE layers picked out of SGLang's all-layer axis."""
+                          moe_layers: Sequence[int], top_k: int, start: int = 0) -> Tensor:
+    """int32 [P + R - 1 - start, len(moe_layers), top_k]: the trainer's replay rows of positions
+    start.. (row i = the token at position start + i, whose successor was predicted), the MoE
+    layers picked out of SGLang's all-layer axis."""
     raw = meta.get("routed_experts")
     if raw is None:
         raise ValueError("model.routing_replay: the server returned no routed_experts; start it "
                          "with --enable-return-routed-experts and serve a mixture-of-experts model")
     flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
-    rows = prompt_len + response_len - 1
+    rows = prompt_len + response_len - 1 - start
     if flat.size != rows * num_hidden_layers * top_k:
         raise ProtocolError(f"/generate: routed_experts holds {flat.size} ints, expected "
                             f"{rows} rows x {num_hidden_layers} layers x top-{top_k} "
-                            f"(prompt {prompt_len} + response {response_len} - 1 rows)")
+                            f"(prompt {prompt_len} + response {response_len} - 1 rows"
+                            + (f" from position {start})" if start else ")"))
     full = torch.from_numpy(flat.copy()).view(rows, num_hidden_layers, top_k)
     return full[:, list(moe_layers)].contiguous()
 
 
 def decode_response(item: dict, *, prompt_len: int, sampling: SamplingParams,
-                    hf_config: Optional[dict] = None) -> Decoded:
-    """One response object of /generate -> `Decoded` (raises ProtocolError / ValueError)."""
+                    hf_config: Optional[dict] = None, routed_start: int = 0) -> Decoded:
+    """One response object of /generate -> `Decoded` (raises ProtocolError / ValueError);
+    `routed_start`: the request's routed_experts_start_len."""
     meta = item.get("meta_info")
     if not isinstance(meta, dict):
         raise ProtocolError("/generate: response without meta_info")
     ids, logp = decode_token_logprobs(meta, item.get("output_ids"))
     out = Decoded(response_ids=ids, logp=logp, finish_reason=parse_finish(meta),
-                  version=parse_version(meta), text=item.get("text"))
+                  version=parse_version(meta), text=item.get("text"),
+                  matched=matched_string(meta))
     if sampling.topk_logprobs:
         out.topk_ids, out.topk_logp = decode_top_logprobs(meta, sampling.topk_logprobs, len(ids))
     if sampling.return_routed_experts:
@@ -280,7 +306,7 @@ def decode_response(item: dict, *, prompt_len: int, sampling: SamplingParams,
         out.routed_experts = decode_routed_experts(
             meta, prompt_len=prompt_len, response_len=len(ids),
             num_hidden_layers=int(cfg["num_hidden_layers"]), moe_layers=moe_layer_indices(cfg),
-            top_k=int(cfg["num_experts_per_tok"]))
+            top_k=int(cfg["num_experts_per_tok"]), start=routed_start)
     return out
 
 

@@ -31,6 +31,7 @@ class Expected:
     routed_experts: bool             # model.routing_replay
     context_length: Optional[int]    # rollout.sglang.context_length (None: the model's)
     architectures: tuple[str, ...]   # the trainer model's HF `architectures`
+    tokenizer: bool = False          # the environment's stop strings (env.stop) need one
 
 
 def expected(rollout: Any, ctx: Any) -> Expected:
@@ -38,7 +39,8 @@ def expected(rollout: Any, ctx: Any) -> Expected:
     return Expected(tp=rollout.sglang.tp, kv_cache_dtype=rollout.kv_cache_dtype,
                     routed_experts=bool(ctx.routing_replay),
                     context_length=rollout.sglang.context_length,
-                    architectures=tuple(ctx.hf_config.get("architectures") or ()))
+                    architectures=tuple(ctx.hf_config.get("architectures") or ()),
+                    tokenizer=bool(ctx.stop))
 
 
 def _kv(dtype: Any) -> str:
@@ -62,6 +64,9 @@ def mismatches(server_info: dict, model_info: dict, want: Expected) -> list[str]
             and server_info["context_length"] != want.context_length:
         out.append(f"--context-length {server_info['context_length']}, "
                    f"rollout.sglang.context_length is {want.context_length}")
+    if want.tokenizer and server_info.get("skip_tokenizer_init") is True:
+        out.append("--skip-tokenizer-init, under which SGLang refuses stop strings (env.stop: "
+                   "they are matched in decoded text); start it with the model's tokenizer")
     arch = model_info.get("architectures")
     if arch and want.architectures and tuple(arch) != want.architectures:
         out.append(f"model {list(arch)}, the trainer's is {list(want.architectures)} (model.*)")
