@@ -218,3 +218,24 @@ def test_router_forwards_stop_strings_and_a_worker_without_tokenizer_is_refused(
     assert info["skip_tokenizer_init"] is False and not mismatches(info, {}, want)
     assert [m for m in mismatches({**info, "skip_tokenizer_init": True}, {}, want)
             if "--skip-tokenizer-init" in m]
+
+
+def test_servers_holding_a_tokenizer_whose_eos_the_model_does_not_stop_at_are_refused(tmp_path):
+    """SGLang ends a response at its tokenizer's EOS as well (Req._check_token_based_finish):
+    with stop strings the servers hold the tokenizer, so its EOS must be one the run stops at."""
+    import types
+
+    from megapkl.models.tiny import write_tokenizer
+    from megapkl.rollout.sglang.build import served_tokenizer
+    from megapkl.rollout.sglang.launch import ServerLaunchError
+
+    write_tokenizer(tmp_path)
+    tok = types.SimpleNamespace(eos_token_id=3)
+    ctx = types.SimpleNamespace(stop=("</search>",), tokenizer_path=str(tmp_path),
+                                hf_config={"eos_token_id": [1, 2]})
+    with pytest.raises(ServerLaunchError, match=r"model.tokenizer: its EOS id 3 .*\[1, 2\]"):
+        served_tokenizer(ctx, tok)
+    ctx.hf_config = {"eos_token_id": 3}
+    assert served_tokenizer(ctx, tok) == str(tmp_path)
+    ctx.stop = ()  # no stop strings: ids in and out, no tokenizer on the servers
+    assert served_tokenizer(ctx, types.SimpleNamespace(eos_token_id=9)) is None

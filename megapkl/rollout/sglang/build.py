@@ -98,14 +98,24 @@ def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokeni
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def served_tokenizer(ctx: Any) -> Optional[str]:
+def served_tokenizer(ctx: Any, tokenizer: Any = None) -> Optional[str]:
     """The tokenizer directory the servers load: None (they run --skip-tokenizer-init, ids in
     and out) unless the environment has stop strings (`ctx.stop`), which SGLang matches in
     decoded text and refuses without its tokenizer (sampling_params.raise_if_tokenizer_required);
     then model.tokenizer, else model.hf_checkpoint (`ctx.tokenizer_path`), which must hold the
-    tokenizer's files."""
+    tokenizer's files. A server holding a tokenizer also ends a response at the tokenizer's EOS
+    (schedule_batch.Req._check_token_based_finish), so that id must be one the run stops at
+    anyway (the model config's eos_token_id), or the two engines would end turns differently."""
     if not ctx.stop:
         return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    model_eos = (ctx.hf_config or {}).get("eos_token_id")
+    model_eos = {model_eos} if isinstance(model_eos, int) else set(model_eos or ())
+    if eos is not None and model_eos and eos not in model_eos:
+        raise ServerLaunchError(
+            f"model.tokenizer: its EOS id {eos} is not among the model config's eos_token_id "
+            f"{sorted(model_eos)}; SGLang servers holding the tokenizer (env.stop needs it) would "
+            "end responses at it where the run does not: use the model's own tokenizer")
     path = ctx.tokenizer_path
     if not path or not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         where = f"{path} has no {' or '.join(TOKENIZER_FILES)}" if path else \
@@ -193,7 +203,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                           "trainer's NCCL rank and a server's on one GPU, which NCCL refuses; use "
                           "tensor or disk, or rollout.sglang.colocate false")
 
-    tokenizer_path = served_tokenizer(ctx)
+    tokenizer_path = served_tokenizer(ctx, tokenizer)
 
     def make_cmd(host: str, port: int, base_gpu_id: Optional[int]) -> list[str]:
         return server_command(sg, model_path=model_path, host=host, port=port,
