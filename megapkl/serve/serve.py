@@ -5,10 +5,10 @@
 
 Routes, payloads, response shapes and error bodies follow SGLang 0.5.x (`docs/serve.md` lists
 them); `serve_protocol` declares the request fields this server reads and parses/encodes the
-wire format, `serve_state` holds the engine, pause state and weight paths; this module has the
-routes, the HTTP layer and the CLI.
-The HTTP layer is the standard library's ThreadingHTTPServer: one thread per connection, a
-semaphore bounding the requests in flight, generation serialized through the engine.
+wire format, `serve_state` holds the engine, pause state and weight paths (and builds them from
+the command line), `serve_http` is the HTTP layer (the standard library's ThreadingHTTPServer, one thread per
+connection); this module has the routes, a semaphore bounding the requests in flight (generation
+serialized through the engine) and the CLI.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import os
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,8 +31,9 @@ from megapkl.serve.serve_protocol import (Item, _contract, _lp_entry, _Reply, _s
                                             encode_routed_experts, expand_layers, finish_reason,
                                             parse_generate, parse_sampling, response_text,
                                             validate_body, validation_error)
+from megapkl.serve.serve_http import _Untyped, make_http_server
 from megapkl.serve.serve_state import (InterruptibleEngine, Job, RequestError, ServeState,
-                                         _Interrupted, write_weight_digest)
+                                         _Interrupted, build_state, write_weight_digest)
 
 log = logging.getLogger("megapkl.serve")
 
@@ -520,10 +520,6 @@ class SGLangCompatServer:
             self.state.close()
 
 
-class _Untyped(str):
-    """A text body sent without a Content-Type header (SGLang's plain `Response(content=...)`)."""
-
-
 def _failed(message: str) -> _Reply:
     """A weight route's refusal: SGLang answers 400 {"success": false, "message": ...}."""
     return _Reply(400, {"success": False, "message": message})
@@ -565,117 +561,7 @@ def _moe_layers(engine: InterruptibleEngine) -> list[int]:
     return out
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "megapkl-serve"
-    protocol_version = "HTTP/1.1"
-    app: SGLangCompatServer
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def _handle(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        body: Any = None
-        if raw:
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                self._send(400, {"error": f"invalid JSON body: {exc}"})
-                return
-        try:
-            status, out = self.app.dispatch(method, self.path, body)
-        except Exception as exc:  # a bug, not bad input: still answer, and keep serving
-            log.exception("request %s %s failed", method, self.path)
-            status, out = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
-        self._send(status, out)
-
-    def _send(self, status: int, out: Any) -> None:
-        if out is None:
-            data, kind = b"null", "application/json"
-        elif isinstance(out, _Untyped):
-            data, kind = out.encode(), None
-        elif isinstance(out, str):
-            data, kind = out.encode(), "text/plain; charset=utf-8"
-        else:
-            data, kind = json.dumps(out).encode(), "application/json"
-        self.send_response(status)
-        if kind is not None:
-            self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def do_PUT(self) -> None:
-        self._handle("PUT")
-
-
-def make_http_server(app: SGLangCompatServer, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"app": app})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
-
-
 # ---------------------------------------------------------------- building and the CLI
-
-
-def build_state(args: argparse.Namespace) -> tuple[ServeState, Any]:
-    """(state, tokenizer) from the CLI arguments: a model spec with seeded random weights, or a
-    local HF checkpoint with its weights."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
-    tokenizer = _tokenizer(args.tokenizer or args.hf_checkpoint)
-    fp8 = getattr(args, "quantization", None) == "fp8"
-    if args.hf_checkpoint:
-        from megapkl.rollout.embedded import iter_safetensors
-
-        torch.manual_seed(args.seed)
-        engine = InterruptibleEngine(args.hf_checkpoint, device=args.device, dtype=dtype,
-                                     seed=args.seed, tokenizer=tokenizer, fp8=fp8)
-        engine.update_weights(iter_safetensors(args.hf_checkpoint), version=0)
-        model_path = args.hf_checkpoint
-    else:
-        from megapkl.models.spec import hf_config_dict, load_spec
-
-        spec = load_spec(args.model_config)
-        ids = {}
-        if tokenizer is not None:  # stop at every stop id the tokenizer's directory declares
-            from megapkl.rollout.tokens import special_ids
-
-            ids = special_ids(tokenizer, spec.vocab_size, [args.tokenizer]).hf_config()
-        torch.manual_seed(args.seed)  # same seed, same random weights on every worker
-        engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype, **ids),
-                                     device=args.device, dtype=dtype, seed=args.seed,
-                                     tokenizer=tokenizer, fp8=fp8)
-        engine.update_weights(list(engine.model.state_dict().items()), version=0)
-        model_path = args.model_config
-    if args.enable_return_routed_experts and not engine.is_moe:
-        raise SystemExit("megapkl serve: error: --enable-return-routed-experts needs a "
-                         "mixture-of-experts model")
-    state = ServeState(engine, model_path=model_path,
-                       served_model_name=args.served_model_name or model_path,
-                       enable_routed_experts=args.enable_return_routed_experts,
-                       weight_version=args.weight_version)
-    return state, tokenizer
-
-
-def _tokenizer(source: Optional[str]) -> Any:
-    if not source:
-        return None
-    from pathlib import Path
-
-    if not any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -485,3 +485,55 @@ def write_weight_digest(model: torch.nn.Module, version: str, path: str) -> None
     with open(tmp, "w") as fh:
         json.dump({"version": version, "weights": digests}, fh)
     os.replace(tmp, path)
+
+
+def build_state(args: Any) -> tuple[ServeState, Any]:
+    """(state, tokenizer) from the CLI arguments: a model spec with seeded random weights, or a
+    local HF checkpoint with its weights."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    tokenizer = _tokenizer(args.tokenizer or args.hf_checkpoint)
+    fp8 = getattr(args, "quantization", None) == "fp8"
+    if args.hf_checkpoint:
+        from megapkl.rollout.embedded import iter_safetensors
+
+        torch.manual_seed(args.seed)
+        engine = InterruptibleEngine(args.hf_checkpoint, device=args.device, dtype=dtype,
+                                     seed=args.seed, tokenizer=tokenizer, fp8=fp8)
+        engine.update_weights(iter_safetensors(args.hf_checkpoint), version=0)
+        model_path = args.hf_checkpoint
+    else:
+        from megapkl.models.spec import hf_config_dict, load_spec
+
+        spec = load_spec(args.model_config)
+        ids = {}
+        if tokenizer is not None:  # stop at every stop id the tokenizer's directory declares
+            from megapkl.rollout.tokens import special_ids
+
+            ids = special_ids(tokenizer, spec.vocab_size, [args.tokenizer]).hf_config()
+        torch.manual_seed(args.seed)  # same seed, same random weights on every worker
+        engine = InterruptibleEngine(hf_config_dict(spec, dtype=args.dtype, **ids),
+                                     device=args.device, dtype=dtype, seed=args.seed,
+                                     tokenizer=tokenizer, fp8=fp8)
+        engine.update_weights(list(engine.model.state_dict().items()), version=0)
+        model_path = args.model_config
+    if args.enable_return_routed_experts and not engine.is_moe:
+        raise SystemExit("megapkl serve: error: --enable-return-routed-experts needs a "
+                         "mixture-of-experts model")
+    state = ServeState(engine, model_path=model_path,
+                       served_model_name=args.served_model_name or model_path,
+                       enable_routed_experts=args.enable_return_routed_experts,
+                       weight_version=args.weight_version)
+    return state, tokenizer
+
+
+def _tokenizer(source: Optional[str]) -> Any:
+    if not source:
+        return None
+    from pathlib import Path
+
+    if not any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
