@@ -41,3 +41,14 @@ def teacher_forced(model, sample, temperature: float):
     logp = torch.log_softmax(logits[p - 1:] / temperature, dim=-1)
     experts = torch.stack(routed, dim=1).to(torch.int32) if routed else None
     return logp, experts
+
+
+def check_behaviour(model, sample, temperature: float = 1.0, k: int = 3):
+    """Assert that a sample's behaviour log-probs and top-k are the teacher-forced recomputation's
+    at its action tokens; return that recomputation (log-probs, router top-k)."""
+    logp, experts = teacher_forced(model, sample, temperature)
+    mask = sample.action_mask
+    ref = logp[torch.arange(sample.response_len), sample.response_ids][mask]
+    torch.testing.assert_close(sample.logp_behav, ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sample.topk_logp, logp[mask].topk(k).values, atol=2e-5, rtol=0)
+    return logp, experts
