@@ -44,11 +44,13 @@ def config(args, dedicated: bool) -> SimpleNamespace:
                       health_interval_s=5.0, startup_timeout_s=900.0, base_port=args.port,
                       colocate=not dedicated)
     rollout = SimpleNamespace(sglang=sg, fp8=False, kv_cache_dtype="auto")
-    model = SimpleNamespace(hf_checkpoint=args.model, dtype="bf16", routing_replay=False)
+    model = SimpleNamespace(hf_checkpoint=args.model, tokenizer=None, dtype="bf16",
+                            routing_replay=False)
     parallel = SimpleNamespace(tensor=1, context=1, pipeline=1, data=1, expert=1,
                                sequence_parallel=False)
-    return SimpleNamespace(rollout=rollout, model=model, parallel=parallel, run_dir=args.out,
-                           name="sglang_smoke", seed=0)
+    env = SimpleNamespace(multi_turn=False)  # single-turn: no stop strings, no tokenizer served
+    return SimpleNamespace(rollout=rollout, model=model, parallel=parallel, env=env,
+                           run_dir=args.out, name="sglang_smoke", seed=0)
 
 
 def main() -> None:
