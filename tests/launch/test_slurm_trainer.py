@@ -115,14 +115,26 @@ def _interrupt_when(sub, run_dir: Path, events: list[str], rows: int, what: str)
     sub.job._interrupt()
 
 
+TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
+
+
+def subprocess_out(argv):
+    import subprocess
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
 def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
         trainer_reference, launch_tmp: Path) -> None:
-    """A second preemption right after the first resume (the requeued job is updating again):
-    checkpoint, requeue, resume twice; the run ends with the uninterrupted run's metrics."""
+    """One task on each of two nodes (separate network namespaces and addresses), DP=2 over gloo
+    between them, rendezvous from the Slurm environment (MASTER_ADDR = the allocation's first
+    node). submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run, and
+    a second one right after the first resume (the requeued job is updating again): checkpoint,
+    requeue, resume twice; the run ends with the metrics of the uninterrupted 2-task job on one
+    node (timing fields aside)."""
     ref_sub, ref = trainer_reference
     run_dir = launch_tmp / "trainer_preempted_twice"
-    sub = submit(TINY, "local_cpu", [f"run_dir={run_dir}", f"train.steps={STEPS}",
-                                     "logging.tensorboard=true"])
+    sub = submit(TINY, TWO_NODES, [f"run_dir={run_dir}", f"train.steps={STEPS}",
+                                   "logging.tensorboard=true"])
     _interrupt_when(sub, run_dir, ["start"], 2, "first preemption")
     t0 = time.time()
     while _events(run_dir) != ["start", "requeued", "start"]:
@@ -148,6 +160,11 @@ def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
     wait_state(sub.job_id, "COMPLETED")
     assert jobs.requeue_count(sub.job_id) == 2
+    for start in (e for e in read_events(run_dir) if e["event"] == "start"):  # every attempt
+        assert (start["world_size"], start["backend"]) == (2, "gloo")
+        assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
+    nodes = subprocess_out(["sacct", "-n", "-X", "-j", sub.job_id, "-o", "NodeList%40"])
+    assert nodes.strip() == "mpn[1-2]", nodes
     # Every exit closed the run: each checkpoint step written once (the two preemptions' and the
     # last), TensorBoard flushed before each requeue (every attempt's file ends at its checkpoint).
     saved = [int(s) for s in re.findall(r"saved checkpoint \S*step_(\d+)", err)]
@@ -161,54 +178,3 @@ def test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics(
         acc.Reload()
         ends.append(max(e.step for e in acc.Scalars("loss")) + 1)
     assert ends == saved, (ends, saved)
-
-
-TWO_NODES = "local_cpu_2nodes"  # mpn1, mpn2: slurmd in two network namespaces
-
-
-def subprocess_out(argv):
-    import subprocess
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
-
-
-# One node is covered by test_trainer_two_preemptions_in_a_row_resume_with_the_same_metrics.
-@pytest.mark.parametrize("profile", [TWO_NODES])
-def test_trainer_preemption_requeues_and_resumes_with_the_same_metrics(
-        trainer_reference, launch_tmp: Path, profile: str) -> None:
-    """One task on each of two nodes (separate network namespaces and addresses), DP=2 over gloo
-    between them, rendezvous from the Slurm environment (MASTER_ADDR = the allocation's first
-    node). submitit's `job._interrupt()` (SIGTERM + USR2, as on a Slurm preemption) mid-run: the
-    trainer checkpoints at the next update boundary and requeues; the requeued job resumes from
-    that checkpoint and ends with the metrics of the uninterrupted 2-task job on one node (timing
-    fields aside)."""
-    ref_sub, ref = trainer_reference
-    run_dir = launch_tmp / f"trainer_preempted_{profile}"
-    sub = submit(TINY, profile, [f"run_dir={run_dir}", f"train.steps={STEPS}"])
-    _interrupt_when(sub, run_dir, ["start"], 2, "trainer job")  # past the handler's installation
-    results = wait_done(sub.job, 300, "preempted trainer job")
-    events = _events(run_dir)
-    assert events == ["start", "requeued", "start", "done"], (
-        f"events {events}: the interrupt should land before the last of {STEPS} updates")
-
-    # Resumed from the preemption checkpoint, not from scratch.
-    err = (run_dir / "submitit" / f"{sub.job_id}_0_log.err").read_text()
-    found = re.findall(r"\[megapkl\.train\] resumed from the step-(\d+) checkpoint", err)
-    assert len(found) == 1, err[-3000:]
-    resumed_at = int(found[0])
-    assert 2 <= resumed_at < STEPS
-
-    # The same metrics as the uninterrupted run: returned, and every row of metrics.jsonl.
-    assert comparable(results) == comparable(ref)
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    assert comparable(rows) == comparable(read_metrics(ref_sub.run_dir))
-    raw = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(raw) == STEPS  # the resume truncated to its checkpoint: no step logged twice
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
-    for start in (e for e in read_events(run_dir) if e["event"] == "start"):  # both attempts
-        assert (start["world_size"], start["backend"]) == (2, "gloo")
-        assert start["master"].startswith("mpn1:") and start["host"] == "mpn1", start
-    wait_state(sub.job_id, "COMPLETED")
-    assert jobs.requeue_count(sub.job_id) == 1
-    nodes = subprocess_out(["sacct", "-n", "-X", "-j", sub.job_id, "-o", "NodeList%40"])
-    assert nodes.strip() == "mpn[1-2]", nodes
