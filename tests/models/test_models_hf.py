@@ -8,22 +8,13 @@ reproduces the HF state dict exactly on every rank.
 import pytest
 import torch
 
-from tiny_models import build_loaded, forward_logits
+from tiny_models import build_loaded, forward_logits, load_forward_export
 
 ATOL = 1e-4
 
 
 def _import_export(rank, world_size, ckpt, layout):
-    from megapkl.models.hf import export_hf_weights
-
-    groups, model = build_loaded(ckpt.path, ckpt.name, **layout)
-    model.eval()
-    with torch.no_grad():
-        logits = forward_logits(model, groups, ckpt.ids)
-    exported = {}
-    for name, tensor in export_hf_weights(model, groups=groups):
-        assert name not in exported, f"{name} exported twice"
-        exported[name] = tensor
+    _, logits, exported = load_forward_export(ckpt, layout)
     mismatched = sorted(n for n in ckpt.state_dict
                         if n not in exported or not torch.equal(exported[n], ckpt.state_dict[n]))
     return logits, sorted(exported), mismatched

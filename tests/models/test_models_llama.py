@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from tiny_models import LLAMA_ROPE, build_loaded, forward_logits
+from tiny_models import LLAMA_ROPE, build_loaded, forward_logits, load_forward_export
 
 LOGP_ATOL = 1e-5
 
@@ -175,16 +175,7 @@ def test_release_spelling_of_the_checkpoint_is_accepted(llama_ckpt, tmp_path):
 
 
 def _import_export(rank, world_size, ckpt, layout):
-    from megapkl.models.hf import export_hf_weights
-
-    groups, model = build_loaded(ckpt.path, ckpt.name, **layout)
-    model.eval()
-    with torch.no_grad():
-        logits = forward_logits(model, groups, ckpt.ids)
-    exported = {}
-    for name, tensor in export_hf_weights(model, groups=groups):
-        assert name not in exported, f"{name} exported twice"
-        exported[name] = tensor.clone()
+    model, logits, exported = load_forward_export(ckpt, layout)
     return logits, model.rotary_pos_emb.inv_freq.clone(), exported
 
 

@@ -164,3 +164,20 @@ def train_step(ddp, opt, sched, seed):
     ddp[0](ids, positions(ids), None, labels=labels).mean().backward()
     finalize_grads(ddp)
     return optimizer_step(opt, sched)
+
+
+def load_forward_export(ckpt, layout: dict):
+    """(model, logits or None off the last stage, {HF name: tensor}) of the tiny checkpoint
+    `ckpt` imported at `layout` (build_loaded's keywords), run forward on `ckpt.ids` and exported
+    back to Hugging Face names (each name once)."""
+    from megapkl.models.hf import export_hf_weights
+
+    groups, model = build_loaded(ckpt.path, ckpt.name, **layout)
+    model.eval()
+    with torch.no_grad():
+        logits = forward_logits(model, groups, ckpt.ids)
+    exported = {}
+    for name, tensor in export_hf_weights(model, groups=groups):
+        assert name not in exported, f"{name} exported twice"
+        exported[name] = tensor.clone()
+    return model, logits, exported
