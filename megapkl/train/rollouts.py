@@ -370,14 +370,6 @@ class RolloutStage:
         if self.producer is not None:
             self.producer.stop(interrupt=self.slot.interrupt)
 
-    def close(self) -> None:
-        """The generation ahead and the reward's worker (for a stage built without a run to hold
-        them; the slot's owner closes the engine)."""
-        self.stop_ahead()
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
-
 
 def _constant(members: Sequence[Sample]) -> bool:
     return len({s.reward for s in members}) == 1
