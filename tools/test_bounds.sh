@@ -10,7 +10,8 @@
 #   - with a Slurm cluster here (sinfo answers): `megapkl submit` of the demo through submitit.
 # torch comes from local disk only (pip's find-links: never a download of torch or NVIDIA
 # libraries); without the torch 2.13.0 wheel there, this stops and says so. The environment is
-# kept in .bench-venvs/lower (MEGAPKL_LOWER_VENV) and rebuilt when the bounds change.
+# kept in .bench-venvs/lower (MEGAPKL_LOWER_VENV) and rebuilt when the bounds change;
+# `--build-only` builds (or checks) it and runs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -42,6 +43,9 @@ assert not wrong, f"not at the declared lower bound: {wrong}"
 assert not nvidia, f"NVIDIA libraries in the lower-bound environment: {nvidia}"
 print("lower bounds installed:", ", ".join(f"{n} {v}" for n, v in want.items()))
 EOF
+if [ "${1:-}" = "--build-only" ]; then  # .ci/run builds it beside the main environment
+  exit 0
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 repo="$PWD"
