@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
+from megapkl.config.local_files import TOKENIZER_FILES
 from megapkl.errors import MegapklError
 from megapkl.parallel.dist_internals import group_outside_world
 from megapkl.rollout import fp8 as FP8
@@ -532,7 +533,7 @@ def _tokenizer(source: Optional[str]) -> Any:
         return None
     from pathlib import Path
 
-    if not any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

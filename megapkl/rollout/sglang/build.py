@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megapkl.config.local_files import TOKENIZER_FILES
 from megapkl.parallel.threads import rank_executor
 from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
@@ -93,9 +94,6 @@ def served_model_dir(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokeni
     if ckpt is not None and (ckpt / "generation_config.json").is_file():  # its EOS ids too
         shutil.copyfile(ckpt / "generation_config.json", path / "generation_config.json")
     return str(path), True
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def served_tokenizer(ctx: Any, tokenizer: Any = None) -> Optional[str]:
