@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megapkl.config.typed import rng
+
 ENV = "MEGAPKL_RETRIEVER_STEP"
 
 
@@ -79,7 +80,6 @@ def srun_launcher(placement: RetrieverPlacement, nodes: list[str]
         return step + list(cmd), reach
 
     return launch
-
 
 
 def step_launcher() -> Optional[Callable[[list[str], str], tuple[list[str], str]]]:
