@@ -33,7 +33,8 @@ class Result:
     err: str
 
     def ok(self) -> "Result":
-        assert self.rc == 0, f"megapkl {shlex.join(self.argv)} -> exit {self.rc}\n{self.err[-4000:]}"
+        assert self.rc == 0, (f"megapkl {shlex.join(self.argv)} -> exit {self.rc}\n"
+                              f"stdout:\n{self.out[-3000:]}\nstderr:\n{self.err[-3000:]}")
         return self
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+from urllib.parse import urlsplit
 
 from megapkl.config.local_files import TOKENIZER_FILES
 from megapkl.parallel.threads import rank_executor
@@ -15,8 +18,9 @@ from megapkl.rollout.sglang.answers import AnswerStore
 from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.kernels import mark_warm, startup_deadline
-from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, local_address,
-                                           plan_servers, refuse_remote_tensor_sync,
+from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, ServerSpec,
+                                           local_address, next_free_port, plan_servers,
+                                           port_lost, refuse_remote_tensor_sync,
                                            releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
                                            wait_healthy)
@@ -25,6 +29,8 @@ from megapkl.rollout.sglang.served import (DETERMINISTIC, Expected, check_served
                                            expected)
 from megapkl.rollout.sglang.weights import (MiB, SyncSettings, Transform, WeightSync, group_backend,
                                             identity)
+
+log = logging.getLogger(__name__)
 
 
 def health_settings(sg: Any) -> HealthSettings:
@@ -174,15 +180,72 @@ def fleet_lane(rollout: Any, ctx: Any) -> Lane:
 
 
 def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str,
-              deadline_s: Optional[float] = None) -> None:
-    def one(p: ServerProcess) -> None:
-        wait_healthy(p, p.url, first_wait_s=health.first_wait_s,
-                     interval_s=min(health.interval_s, 1.0), timeout_s=health.timeout_s,
-                     deadline_s=health.deadline_s if deadline_s is None else deadline_s,
-                     what=f"{what} {p.name}")
+              deadline_s: Optional[float] = None,
+              lost: Callable[[ServerProcess, bool], Optional[str]] = lambda p, failed: None,
+              ) -> dict[int, str]:
+    """Wait until every process is healthy; the first failure raises and ends the other waits.
+    `lost(process, failed)` names a server that lost its port to another process (failed or
+    not): such a one is no failure, and {index in procs: why} comes back."""
+    stop, moved = threading.Event(), {}
+
+    def one(i: int, p: ServerProcess) -> None:
+        try:
+            wait_healthy(p, p.url, first_wait_s=health.first_wait_s,
+                         interval_s=min(health.interval_s, 1.0), timeout_s=health.timeout_s,
+                         deadline_s=health.deadline_s if deadline_s is None else deadline_s,
+                         what=f"{what} {p.name}", stop=stop.is_set)
+        except ServerLaunchError:
+            if stop.is_set() or (why := lost(p, True)) is None:
+                stop.set()
+                raise
+            moved[i] = why
+            return
+        if (why := lost(p, False)) is not None:
+            moved[i] = why
     with rank_executor(max(1, len(procs)), "sglang-wait") as pool:
-        for f in [pool.submit(one, p) for p in procs]:
-            f.result()
+        futures = [pool.submit(one, i, p) for i, p in enumerate(procs)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the first to fail, not a wait it ended
+        raise next((e for e in errors if "no longer waited for" not in str(e)), errors[0])
+    return moved
+
+
+PORT_LAUNCHES = 3  # launches of a server whose port other processes keep taking before its bind
+
+
+def start_servers(specs: list[ServerSpec], health: HealthSettings, deadline: float,
+                   started: list[ServerProcess]) -> list[tuple[ServerSpec, ServerProcess]]:
+    """Start the servers and wait until all are healthy. A server of this host binds its port
+    after loading the model, seconds after the free-port check: one whose port another process
+    took meanwhile starts again on the next free port of its lane (up to PORT_LAUNCHES launches,
+    a warning each time). `started` collects every process started, for the caller to stop."""
+    specs, procs, todo = list(specs), [None] * len(specs), list(range(len(specs)))
+
+    def lost(p: ServerProcess, failed: bool) -> Optional[str]:
+        spec = specs[procs.index(p)]
+        return None if spec.on_port is None else port_lost(p, spec.port, failed)
+    for launch in range(1, PORT_LAUNCHES + 1):
+        for i in todo:
+            procs[i] = specs[i].process().start()
+            started.append(procs[i])
+        moved = _wait_all([procs[i] for i in todo], health, "rollout.sglang: engine", deadline,
+                          lost)
+        again = {todo[k]: why for k, why in moved.items()}
+        for i, why in sorted(again.items()):
+            procs[i].stop(grace_s=1.0)
+            if launch == PORT_LAUNCHES:
+                raise ServerLaunchError(
+                    f"rollout.sglang.base_port: engine{i} lost its port to another process "
+                    f"{launch} times ({why}): choose a base_port no other server of this host "
+                    "uses")
+            port = next_free_port(urlsplit(specs[i].url).hostname or "127.0.0.1",
+                                  specs[i].port, specs[i].stride, [s.port for s in specs])
+            log.warning("rollout.sglang: engine%d: %s; starting it again on port %d", i, why, port)
+            specs[i] = specs[i].on_port(port)
+        todo = sorted(again)
+        if not todo:
+            break
+    return list(zip(specs, procs))
 
 
 def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None,
@@ -214,15 +277,15 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                          replica=lane.lane, slots=slots, replicas=lane.lanes,
                          gpus_per_node=None if slots is None else node_gpus(),
                          count=lane.servers)
-    workers = [Worker(s.url, s.tp, spec=s) for s in specs]
+    workers: list[Worker] = []
+    started: list[ServerProcess] = []
     router: Optional[ServerProcess] = None
     router_url: Optional[str] = None
     # a cold DeepGEMM cache makes FP8 servers compile at their first start (kernels.py)
     deadline, mark = startup_deadline(sg, rollout.fp8, hf_config)
     try:
-        for w in workers:
-            w.process = w.spec.process().start()
-        _wait_all([w.process for w in workers], health, "rollout.sglang: engine", deadline)
+        workers = [Worker(s.url, s.tp, spec=s, process=p)
+                   for s, p in start_servers(specs, health, deadline, started)]
         mark_warm(mark)
         if sg.use_router:
             port, metrics = router_ports(sg, lane.lane, lane.lanes)
@@ -232,7 +295,7 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                 work / "logs" / "router.log").start()
             _wait_all([router], health, "rollout.sglang: sglang-router")
     except BaseException:
-        for p in [*(w.process for w in workers), router]:
+        for p in [*started, router]:
             if p is not None:
                 p.stop()
         raise

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+from urllib.parse import urlsplit
 
 from megapkl.errors import MegapklError
 from megapkl.rollout.sglang import http
@@ -286,7 +287,9 @@ def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float
 
 @dataclass
 class ServerSpec:
-    """How to (re)start engine `index`: its command, URL, log and node."""
+    """How to (re)start engine `index`: its command, URL, log and node. `on_port(port)`: the same
+    server on another port of this host (None: it runs elsewhere, or its port is not ours to
+    choose)."""
 
     index: int
     url: str
@@ -294,10 +297,41 @@ class ServerSpec:
     log_path: Path
     tp: int = 1
     cpus: Optional[list[int]] = None  # affinity.py (None: the launcher's)
+    on_port: Optional[Callable[[int], "ServerSpec"]] = field(default=None, repr=False,
+                                                             compare=False)
+    stride: int = 1  # the ports of its lane are port + k * stride (plan_servers)
 
     def process(self) -> ServerProcess:
         return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path,
                              cpus=self.cpus)
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 80
+
+
+PORT_TAKEN = "address already in use"  # what Python's bind, uvicorn and SGLang's own logs say
+
+
+def port_lost(proc: ServerProcess, port: int, failed: bool) -> Optional[str]:
+    """Why a server just launched on this host lost `port` to another process between the
+    free-port check and its bind (servers bind after loading the model, seconds later): it exited
+    saying the address is in use, or another process answers its URL. None: it did not."""
+    if failed and not proc.alive() and PORT_TAKEN in proc.log_tail(40).lower():
+        return f"port {port} taken before it could bind it ({proc.log_path})"
+    if not failed and holds_port(proc, port) is False:
+        return f"another process of this host listens on port {port}"
+    return None
+
+
+def next_free_port(host: str, port: int, stride: int, taken: Sequence[int]) -> int:
+    """The first free port after `port` among port + k * stride: the lane's own ports, which the
+    other fleets of this host never pick."""
+    for p in range(port + stride, 65536, stride):
+        if p not in taken and port_free(host, p):
+            return p
+    raise ServerLaunchError(f"rollout.sglang.base_port: no free port after {port} (stride "
+                            f"{stride})")
 
 
 def plan_servers(sg: Any, *, log_dir: Path,
@@ -352,11 +386,14 @@ def plan_servers(sg: Any, *, log_dir: Path,
             specs.append(ServerSpec(i, f"http://{node}:{port}", cmd,
                                     log_dir / f"engine{i}.log", sg.tp))
         return specs
-    return [ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
-                       log_dir / f"engine{i}.log", sg.tp,
-                       cpus=server_cpus(gpu[i], sg.tp, gpus_per_node))
-            for i, port in enumerate(pick_ports(host, first, count,
-                                                stride=replicas * sg.num_engines))]
+    stride = replicas * sg.num_engines
+
+    def local(i: int, port: int) -> ServerSpec:
+        return ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
+                          log_dir / f"engine{i}.log", sg.tp,
+                          cpus=server_cpus(gpu[i], sg.tp, gpus_per_node),
+                          on_port=functools.partial(local, i), stride=stride)
+    return [local(i, port) for i, port in enumerate(pick_ports(host, first, count, stride=stride))]
 
 
 def local_address(host: str) -> str:

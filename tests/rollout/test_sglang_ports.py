@@ -1,0 +1,103 @@
+"""A launched server binds its port after loading its model, seconds after megapkl found the port
+free: another process of the host (another run's server, another test's) can take it meanwhile.
+Such a server is started again on the next free port of its fleet's lane, whether it died saying
+so or another process answers its URL; any other failure ends every wait at once."""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megapkl.rollout.sglang.build import start_servers
+from megapkl.rollout.sglang.fleet import HealthSettings
+from megapkl.rollout.sglang.launch import ServerLaunchError, holds_port, plan_servers
+
+from sglang_fixtures import free_port
+
+# a server that loads for `delay` seconds, then binds (as SGLang and `megapkl serve` do)
+_LOADS_THEN_BINDS = """import http.server, sys, time
+time.sleep(float(sys.argv[2]))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+HEALTH = HealthSettings(first_wait_s=0.0, interval_s=0.1, timeout_s=5.0)
+
+
+def _specs(tmp_path, script: str, engines: int = 2, delay: float = 1.0):
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    sg = SimpleNamespace(base_port=free_port(), num_engines=engines, tp=1, colocate=True)
+    return plan_servers(sg, log_dir=tmp_path / "logs", host="127.0.0.1",
+                        make_cmd=lambda h, p, g: [sys.executable, str(path), str(p), str(delay)])
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.stop(grace_s=1.0)
+
+
+@pytest.mark.parametrize("taker", ["listens", "answers"])
+def test_a_server_whose_port_was_taken_before_its_bind_starts_again_on_the_next(tmp_path, taker,
+                                                                                caplog):
+    """`listens`: a bare socket holds engine0's port, so engine0 exits with "Address already in
+    use". `answers`: another HTTP server answers engine0's URL while engine0 still loads (its
+    /health says 200: only the port's owner tells them apart). Either way engine0 runs on the
+    lane's next port (+ 2: engine1 owns the odd ones), engine1 keeps its own, and the taker is
+    left alone. Before: the run failed, or trained against the other process."""
+    specs = _specs(tmp_path, _LOADS_THEN_BINDS)
+    taken = specs[0].port
+    if taker == "listens":
+        other = socket.socket()
+        other.bind(("127.0.0.1", taken))
+        other.listen()
+    else:
+        other = specs[0].on_port(taken).process()  # a server of someone else's, already up
+        other.cmd = [*other.cmd[:-1], "0"]
+        other.log_path = tmp_path / "other.log"
+        other.start()
+        while holds_port(other, taken) is not True:
+            time.sleep(0.05)
+    started = []
+    try:
+        with caplog.at_level(logging.WARNING, "megapkl.rollout.sglang.build"):
+            ran = start_servers(specs, HEALTH, 60.0, started)
+        (s0, p0), (s1, p1) = ran
+        assert s0.port != taken and (s0.port - taken) % 2 == 0 and s1 == specs[1], ran
+        assert holds_port(p0, s0.port) is True and holds_port(p1, s1.port) is True
+        assert p0.url == s0.url and str(s0.port) in s0.cmd
+        assert len(started) == 3 and not started[0].alive()  # the loser was stopped
+        said = [r.getMessage() for r in caplog.records if r.name == "megapkl.rollout.sglang.build"]
+        assert len(said) == 1 and said[0].startswith("rollout.sglang: engine0: ") and \
+            f"starting it again on port {s0.port}" in said[0], said
+        if taker == "listens":
+            assert "taken before it could bind it" in said[0]
+        else:
+            assert f"another process of this host listens on port {taken}" in said[0]
+            assert other.alive()
+    finally:
+        _stop(started)
+        other.stop() if taker == "answers" else other.close()
+
+
+def test_a_server_that_fails_otherwise_ends_every_wait_and_names_its_log(tmp_path):
+    """engine0 exits on its own (no port involved): no second launch, and engine1, which would
+    take 60 s to load, is not waited for; the error names engine0 and its log."""
+    specs = _specs(tmp_path, "import sys, time\ntime.sleep(float(sys.argv[2]))\n", delay=60.0)
+    crash = specs[0].on_port(specs[0].port)
+    crash.cmd = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
+    started = []
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerLaunchError, match=r"engine0 .* exited with code 3 .*engine0.log"
+                                                    r"(.|\n)*CUDA out of memory"):
+            start_servers([crash, specs[1]], HEALTH, 120.0, started)
+    finally:
+        _stop(started)
+    assert time.monotonic() - t0 < 20 and len(started) == 2
