@@ -101,3 +101,40 @@ def test_a_server_that_fails_otherwise_ends_every_wait_and_names_its_log(tmp_pat
     finally:
         _stop(started)
     assert time.monotonic() - t0 < 20 and len(started) == 2
+
+
+def test_a_router_whose_port_was_taken_starts_again_on_the_lanes_next_pair(tmp_path, monkeypatch,
+                                                                           caplog):
+    """The real sglang-router, its first pair of ports taken by another listener between the
+    pick and its bind (the pick is made to return the taken port: the race, without its timing):
+    it exits saying the address is in use and runs on the next pair, away from the taken one."""
+    from megapkl.rollout.sglang import build
+    from megapkl.rollout.sglang.launch import router_ports
+
+    started = []
+    (worker, _), = start_servers(_specs(tmp_path, _LOADS_THEN_BINDS, engines=1, delay=0.0), HEALTH,
+                                 60.0, started)
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    taken, picks = other.getsockname()[1], []
+
+    def pick(sg, replica, replicas, avoid=()):
+        picks.append(list(avoid))
+        return (taken, free_port()) if not avoid else router_ports(sg, replica, replicas, avoid)
+    monkeypatch.setattr(build, "router_ports", pick)
+    sg = SimpleNamespace(host="127.0.0.1", base_port=free_port() - 1000, router_command=None,
+                         router_policy="round_robin")
+    try:
+        with caplog.at_level(logging.WARNING, "megapkl.rollout.sglang.build"):
+            router = build.start_router(sg, build.Lane(servers=1), [worker.url],
+                                        tmp_path / "router.log", HEALTH, started)
+        assert len(picks) == 2 and picks[1][0] == taken and router.alive()
+        assert router.url != f"http://127.0.0.1:{taken}" and holds_port(router, int(
+            router.url.rsplit(":", 1)[1])) is True
+        said = [r.getMessage() for r in caplog.records if r.name == "megapkl.rollout.sglang.build"]
+        assert said == [f"rollout.sglang: sglang-router: port {taken} taken before it could bind "
+                        f"it ({tmp_path / 'router.log'}); starting it again on other ports"], said
+    finally:
+        _stop(started)
+        other.close()

@@ -248,6 +248,31 @@ def start_servers(specs: list[ServerSpec], health: HealthSettings, deadline: flo
     return list(zip(specs, procs))
 
 
+def start_router(sg: Any, lane: Lane, worker_urls: list[str], log_path: Path,
+                 health: HealthSettings, started: list[ServerProcess]) -> ServerProcess:
+    """sglang-router in front of the fleet's servers, healthy; started again on the lane's next
+    pair of ports should another process take its own before it binds them (as servers)."""
+    taken: list[int] = []
+    while True:
+        port, metrics = router_ports(sg, lane.lane, lane.lanes, taken)
+        router = ServerProcess("router", f"http://{local_address(sg.host)}:{port}",
+                               router_command(sg, worker_urls, sg.host, port, metrics),
+                               log_path).start()
+        started.append(router)
+        moved = _wait_all([router], health, "rollout.sglang: sglang-router",
+                          lost=lambda p, failed: port_lost(p, port, failed))
+        if not moved:
+            return router
+        router.stop(grace_s=1.0)
+        taken += [port, metrics]
+        if len(taken) == 2 * PORT_LAUNCHES:
+            raise ServerLaunchError(f"rollout.sglang.base_port: sglang-router lost its ports to "
+                                    f"another process {PORT_LAUNCHES} times ({moved[0]}): "
+                                    "choose a base_port no other server of this host uses")
+        log.warning("rollout.sglang: sglang-router: %s; starting it again on other ports",
+                    moved[0])
+
+
 def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer: Any = None,
                  lane: Optional[Lane] = None) -> Fleet:
     """Start rollout.sglang.num_engines servers (+ the router) and wait for them; on any failure
@@ -288,12 +313,9 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                    for s, p in start_servers(specs, health, deadline, started)]
         mark_warm(mark)
         if sg.use_router:
-            port, metrics = router_ports(sg, lane.lane, lane.lanes)
-            router_url = f"http://{local_address(sg.host)}:{port}"
-            router = ServerProcess("router", router_url, router_command(
-                sg, [w.url for w in workers], sg.host, port, metrics),
-                work / "logs" / "router.log").start()
-            _wait_all([router], health, "rollout.sglang: sglang-router")
+            router = start_router(sg, lane, [w.url for w in workers], work / "logs" / "router.log",
+                                  health, started)
+            router_url = router.url
     except BaseException:
         for p in [*started, router]:
             if p is not None:

@@ -237,12 +237,14 @@ def server_command(sg: Any, *, model_path: str, host: str, port: int,
     return cmd + list(sg.extra_args)
 
 
-def router_ports(sg: Any, replica: int, replicas: int) -> tuple[int, int]:
+def router_ports(sg: Any, replica: int, replicas: int,
+                 taken: Sequence[int] = ()) -> tuple[int, int]:
     """The router's port and its Prometheus listener's, searched as a pair from
     base_port + 1000 + 2 * replica with stride 2 * replicas: the routers of replicas sharing a node
-    start at the same time, and one's metrics port must not be the next one's router port."""
+    start at the same time, and one's metrics port must not be the next one's router port.
+    `taken`: ports not to pick (a router that lost them before its bind)."""
     port, metrics = pick_ports(sg.host, sg.base_port + ROUTER_PORT_OFFSET + 2 * replica, 2,
-                               stride=2 * replicas)
+                               taken, stride=2 * replicas)
     return port, metrics
 
 
