@@ -322,7 +322,8 @@ def port_lost(proc: ServerProcess, port: int, failed: bool) -> Optional[str]:
     if failed and not proc.alive() and PORT_TAKEN in proc.log_tail(40).lower():
         return f"port {port} taken before it could bind it ({proc.log_path})"
     if not failed and holds_port(proc, port) is False:
-        return f"another process of this host listens on port {port}"
+        return (f"another process of this host listens on port {port}, neither the one megapkl "
+                "launched nor of its session")
     return None
 
 
