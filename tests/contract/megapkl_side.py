@@ -119,7 +119,7 @@ def launched(name: str, run_dir: Path, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(ServerProcess, "start", start)
     monkeypatch.setattr(ServerProcess, "alive", lambda self: True)
-    monkeypatch.setattr(build, "_wait_all", lambda *a, **k: None)
+    monkeypatch.setattr(build, "_wait_all", lambda *a, **k: {})  # every one healthy, none moved
     tokenizer = None if tokenizer_eos is None else SimpleNamespace(eos_token_id=tokenizer_eos)
     replicas = cfg.parallel.data
     work = Path(run_dir) / "sglang" / (f"replica{replica}" if replicas > 1 else "")

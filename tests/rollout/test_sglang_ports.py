@@ -14,7 +14,8 @@ import pytest
 
 from megapkl.rollout.sglang.build import start_servers
 from megapkl.rollout.sglang.fleet import HealthSettings
-from megapkl.rollout.sglang.launch import ServerLaunchError, holds_port, plan_servers
+from megapkl.rollout.sglang.launch import (ServerLaunchError, holds_port, plan_servers,
+                                           port_free)
 
 from sglang_fixtures import free_port
 
@@ -138,3 +139,23 @@ def test_a_router_whose_port_was_taken_starts_again_on_the_lanes_next_pair(tmp_p
     finally:
         _stop(started)
         other.close()
+
+
+def test_a_server_a_wrapper_starts_in_a_session_of_its_own_is_still_its_own(tmp_path):
+    """A server_command wrapper whose server runs in a new session (setsid) but descends from
+    the launched process holds the port as the launched server itself would: started once."""
+    wrapper = ("import ctypes, subprocess, sys\n"  # (the server dies with the wrapper)
+               "subprocess.run([sys.executable, sys.argv[1], *sys.argv[2:]], "
+               "start_new_session=True, preexec_fn=lambda: ctypes.CDLL('libc.so.6').prctl(1, 9))\n")
+    (tmp_path / "wrapper.py").write_text(wrapper)
+    specs = _specs(tmp_path, _LOADS_THEN_BINDS, engines=1, delay=0.0)
+    spec = specs[0].on_port(specs[0].port)
+    spec.cmd = [sys.executable, str(tmp_path / "wrapper.py"), *spec.cmd[1:]]
+    started = []
+    try:
+        (s, p), = start_servers([spec], HEALTH, 60.0, started)
+        assert s.port == spec.port and len(started) == 1 and holds_port(p, s.port) is True
+    finally:
+        _stop(started)
+    time.sleep(0.5)
+    assert port_free("127.0.0.1", spec.port)  # gone with its wrapper

@@ -237,8 +237,8 @@ def start_servers(specs: list[ServerSpec], health: HealthSettings, deadline: flo
                 raise ServerLaunchError(
                     f"rollout.sglang.base_port: engine{i} lost its port to another process "
                     f"{launch} times ({why}): choose a base_port no other server of this host "
-                    "uses (and a server_command that keeps the server in the session megapkl "
-                    "starts)")
+                    "uses (and a server_command whose server stays in the session or descent of "
+                    "the process megapkl starts)")
             port = next_free_port(urlsplit(specs[i].url).hostname or "127.0.0.1",
                                   specs[i].port, specs[i].stride, [s.port for s in specs])
             log.warning("rollout.sglang: engine%d: %s; starting it again on port %d", i, why, port)

@@ -115,11 +115,12 @@ def port_free(host: str, port: int) -> bool:
 
 
 def holds_port(proc: "ServerProcess", port: int) -> Optional[bool]:
-    """Whether the process megapkl launched, or one of its session (it runs setsid: a wrapper's
-    children count), listens on `port` of this host: True; False when another process does;
-    None when this cannot be told (no /proc, or nothing listens on it here: a server on
-    another node). A restarted server can lose its port to a process started while it was
-    dead, which then answers its URL and would be synced and sent requests."""
+    """Whether the process megapkl launched, one of its session (it runs setsid: a wrapper's
+    children count) or one descending from it (a wrapper's child in a session of its own) listens
+    on `port` of this host: True; False when another process does; None when this cannot be told
+    (no /proc, or nothing listens on it here: a server on another node). A server can lose its
+    port to a process that took it before the server bound it, which then answers its URL and
+    would be synced and sent requests."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -131,20 +132,32 @@ def holds_port(proc: "ServerProcess", port: int) -> Optional[bool]:
                 inodes.add(f"socket:[{f[9]}]")
     if not inodes or proc.popen is None:
         return None
-    for task in Path("/proc").iterdir():
+    for task in _family(proc.popen.pid):
         try:
-            if task.name.isdigit() and _session(task) == proc.popen.pid and \
-                    any(os.readlink(fd) in inodes for fd in (task / "fd").iterdir()):
+            if any(os.readlink(fd) in inodes for fd in (task / "fd").iterdir()):
                 return True
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+        except OSError:  # gone meanwhile, or not ours to read
             continue
     return False
 
 
-def _session(task: Path) -> int:
-    """The session id of process /proc/<pid>: stat's fields after the command's closing
-    parenthesis are state, ppid, pgrp, session, ..."""
-    return int((task / "stat").read_text().rsplit(")", 1)[1].split()[3])
+def _family(root: int) -> list[Path]:
+    """/proc/<pid> of the processes of session `root` and of those descending from `root`."""
+    parent, session = {}, {}
+    for task in Path("/proc").iterdir():
+        try:  # stat's fields after the command's closing parenthesis: state, ppid, pgrp, session
+            if task.name.isdigit():
+                f = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                parent[int(task.name)], session[int(task.name)] = int(f[1]), int(f[3])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    ours = {pid for pid, sid in session.items() if sid == root} | {root}
+    grown = True
+    while grown:
+        new = {pid for pid, ppid in parent.items() if ppid in ours} - ours
+        ours |= new
+        grown = bool(new)
+    return [Path("/proc", str(pid)) for pid in sorted(ours)]
 
 
 ROUTER_PORT_OFFSET = 1000  # the routers' ports start at base_port + this (router_ports)
@@ -323,7 +336,7 @@ def port_lost(proc: ServerProcess, port: int, failed: bool) -> Optional[str]:
         return f"port {port} taken before it could bind it ({proc.log_path})"
     if not failed and holds_port(proc, port) is False:
         return (f"another process of this host listens on port {port}, neither the one megapkl "
-                "launched nor of its session")
+                "launched nor of its session or descent")
     return None
 
 
