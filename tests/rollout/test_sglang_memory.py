@@ -113,6 +113,26 @@ def test_a_colocated_server_restarts_only_while_the_trainer_has_handed_its_memor
     assert not st["violations"], st["violations"]
 
 
+def test_a_push_to_a_fleet_whose_servers_all_died_during_training_restarts_them(colocated):
+    """The fleet's only server dies while the trainer trains (no restart then: not beside
+    training). The next push is the trainer handing its memory over: the server is restarted and
+    takes the new version. Before: the push waited for a server to push to, the restart for the
+    push to open the window, until no_engine_timeout_s (a two-node Slurm job hung on it)."""
+    engine, w = colocated()
+    engine.update_weights(_weights(), version=1)
+    engine.idle()
+    w.process.stop(grace_s=1.0)
+    engine.fleet.beat()
+    assert w.state == "dead" and w.restarts == 0, engine.fleet.events
+    engine.fleet.start_heartbeat()
+    push = threading.Thread(target=engine.update_weights, args=(_weights(), 2), daemon=True)
+    push.start()
+    push.join(timeout=90)
+    assert not push.is_alive(), f"the push waits: {engine.fleet.events}"
+    assert w.state == "ready" and w.restarts == 1 and w.held.version == 2, engine.fleet.events
+    assert _state(w.url)["version"] == "2"
+
+
 def test_a_release_waits_for_a_restart_under_way_and_releases_it_too(colocated):
     """The trainer takes the GPU back while the heartbeat is restarting a server (inside the
     window): the release waits for it and releases it, so the trainer never trains beside a

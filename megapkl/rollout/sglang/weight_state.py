@@ -94,17 +94,19 @@ class WeightState:
         `named_tensors` at `version` and is admitted; dead ones get them when they come back.
         If every target dies during the sync, the weights are still the fleet's: the restarted
         servers are resynced with them. Colocated: the targets' memory comes back first; a push
-        that fails hands it to the trainer again when it took it."""
+        that fails hands it to the trainer again when it took it. The window opens before the
+        wait for a target: servers that died while the trainer trained are restarted in it."""
         opened = False
         try:
+            if self.colocate:
+                with self.lock:
+                    opened, self.window = not self.window, True
+                self.fleet.wake()
             with self.fleet.weight_targets() as targets:
                 weights = named_tensors
                 if isinstance(named_tensors, StoredVersion):  # under the lock: pinning lets the
                     # held version's file go, which a resync (also under it) may be reading
                     weights = pin_version(named_tensors, self.export_dir, self.hf_config)
-                if self.colocate and not self.window:
-                    self.window = opened = True
-                    self.fleet.wake()
                 self._push(targets, weights, version)
         except BaseException:
             if opened:
