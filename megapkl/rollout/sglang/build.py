@@ -10,7 +10,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
-from urllib.parse import urlsplit
 
 from megapkl.config.local_files import TOKENIZER_FILES
 from megapkl.parallel.threads import rank_executor
@@ -19,7 +18,7 @@ from megapkl.rollout.sglang.client import SGLangEngine
 from megapkl.rollout.sglang.fleet import Fleet, HealthSettings, Worker
 from megapkl.rollout.sglang.kernels import mark_warm, startup_deadline
 from megapkl.rollout.sglang.launch import (ServerLaunchError, ServerProcess, ServerSpec,
-                                           local_address, next_free_port, plan_servers,
+                                           local_address, plan_servers,
                                            port_lost, refuse_remote_tensor_sync,
                                            releases_memory, router_command,
                                            router_ports, server_command, slurm_nodes, this_node,
@@ -195,7 +194,9 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str,
                          deadline_s=health.deadline_s if deadline_s is None else deadline_s,
                          what=f"{what} {p.name}", stop=stop.is_set)
         except ServerLaunchError:
-            if stop.is_set() or (why := lost(p, True)) is None:
+            if stop.is_set():
+                return  # its wait ended by another's failure, which is raised
+            if (why := lost(p, True)) is None:
                 stop.set()
                 raise
             moved[i] = why
@@ -205,8 +206,8 @@ def _wait_all(procs: list[ServerProcess], health: HealthSettings, what: str,
     with rank_executor(max(1, len(procs)), "sglang-wait") as pool:
         futures = [pool.submit(one, i, p) for i, p in enumerate(procs)]
     errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:  # the first to fail, not a wait it ended
-        raise next((e for e in errors if "no longer waited for" not in str(e)), errors[0])
+    if errors:
+        raise errors[0]
     return moved
 
 
@@ -223,7 +224,7 @@ def start_servers(specs: list[ServerSpec], health: HealthSettings, deadline: flo
 
     def lost(p: ServerProcess, failed: bool) -> Optional[str]:
         spec = specs[procs.index(p)]
-        return None if spec.on_port is None else port_lost(p, spec.port, failed)
+        return None if spec.moved is None else port_lost(p, spec.port, failed)
     for launch in range(1, PORT_LAUNCHES + 1):
         for i in todo:
             procs[i] = specs[i].process().start()
@@ -239,10 +240,9 @@ def start_servers(specs: list[ServerSpec], health: HealthSettings, deadline: flo
                     f"{launch} times ({why}): choose a base_port no other server of this host "
                     "uses (and a server_command whose server stays in the session or descent of "
                     "the process megapkl starts)")
-            port = next_free_port(urlsplit(specs[i].url).hostname or "127.0.0.1",
-                                  specs[i].port, specs[i].stride, [s.port for s in specs])
-            log.warning("rollout.sglang: engine%d: %s; starting it again on port %d", i, why, port)
-            specs[i] = specs[i].on_port(port)
+            specs[i] = specs[i].moved([s.port for s in specs])
+            log.warning("rollout.sglang: engine%d: %s; starting it again on port %d", i, why,
+                        specs[i].port)
         todo = sorted(again)
         if not todo:
             break
@@ -303,7 +303,6 @@ def launch_fleet(rollout: Any, ctx: Any, hf_config: dict, work: Path, tokenizer:
                          replica=lane.lane, slots=slots, replicas=lane.lanes,
                          gpus_per_node=None if slots is None else node_gpus(),
                          count=lane.servers)
-    workers: list[Worker] = []
     started: list[ServerProcess] = []
     router: Optional[ServerProcess] = None
     router_url: Optional[str] = None

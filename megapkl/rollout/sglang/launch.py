@@ -302,9 +302,9 @@ def wait_healthy(proc: Optional[ServerProcess], url: str, *, first_wait_s: float
 
 @dataclass
 class ServerSpec:
-    """How to (re)start engine `index`: its command, URL, log and node. `on_port(port)`: the same
-    server on another port of this host (None: it runs elsewhere, or its port is not ours to
-    choose)."""
+    """How to (re)start engine `index`: its command, URL, log and node. `moved(taken)`: the same
+    server on the next free port of its lane, none of `taken` (None: it runs elsewhere, where
+    its port is not this host's to check)."""
 
     index: int
     url: str
@@ -312,9 +312,8 @@ class ServerSpec:
     log_path: Path
     tp: int = 1
     cpus: Optional[list[int]] = None  # affinity.py (None: the launcher's)
-    on_port: Optional[Callable[[int], "ServerSpec"]] = field(default=None, repr=False,
-                                                             compare=False)
-    stride: int = 1  # the ports of its lane are port + k * stride (plan_servers)
+    moved: Optional[Callable[[Sequence[int]], "ServerSpec"]] = field(default=None, repr=False,
+                                                                     compare=False)
 
     def process(self) -> ServerProcess:
         return ServerProcess(f"engine{self.index}", self.url, self.cmd, self.log_path,
@@ -408,7 +407,7 @@ def plan_servers(sg: Any, *, log_dir: Path,
         return ServerSpec(i, f"http://{local_address(host)}:{port}", make_cmd(host, port, gpu[i]),
                           log_dir / f"engine{i}.log", sg.tp,
                           cpus=server_cpus(gpu[i], sg.tp, gpus_per_node),
-                          on_port=functools.partial(local, i), stride=stride)
+                          moved=lambda taken: local(i, next_free_port(host, port, stride, taken)))
     return [local(i, port) for i, port in enumerate(pick_ports(host, first, count, stride=stride))]
 
 
