@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -52,14 +53,15 @@ def test_a_server_whose_port_was_taken_before_its_bind_starts_again_on_the_next(
     /health says 200: only the port's owner tells them apart). Either way engine0 runs on the
     lane's next port (+ 2: engine1 owns the odd ones), engine1 keeps its own, and the taker is
     left alone. Before: the run failed, or trained against the other process."""
-    specs = _specs(tmp_path, _LOADS_THEN_BINDS)
+    # `answers`: loading long enough that the first health check is answered before it dies
+    specs = _specs(tmp_path, _LOADS_THEN_BINDS, delay=1.0 if taker == "listens" else 8.0)
     taken = specs[0].port
     if taker == "listens":
         other = socket.socket()
         other.bind(("127.0.0.1", taken))
         other.listen()
     else:
-        other = specs[0].on_port(taken).process()  # a server of someone else's, already up
+        other = replace(specs[0]).process()  # a server of someone else's, already up
         other.cmd = [*other.cmd[:-1], "0"]
         other.log_path = tmp_path / "other.log"
         other.start()
@@ -91,7 +93,7 @@ def test_a_server_that_fails_otherwise_ends_every_wait_and_names_its_log(tmp_pat
     """engine0 exits on its own (no port involved): no second launch, and engine1, which would
     take 60 s to load, is not waited for; the error names engine0 and its log."""
     specs = _specs(tmp_path, "import sys, time\ntime.sleep(float(sys.argv[2]))\n", delay=60.0)
-    crash = specs[0].on_port(specs[0].port)
+    crash = replace(specs[0])
     crash.cmd = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
     started = []
     t0 = time.monotonic()
@@ -149,7 +151,7 @@ def test_a_server_a_wrapper_starts_in_a_session_of_its_own_is_still_its_own(tmp_
                "start_new_session=True, preexec_fn=lambda: ctypes.CDLL('libc.so.6').prctl(1, 9))\n")
     (tmp_path / "wrapper.py").write_text(wrapper)
     specs = _specs(tmp_path, _LOADS_THEN_BINDS, engines=1, delay=0.0)
-    spec = specs[0].on_port(specs[0].port)
+    spec = replace(specs[0])
     spec.cmd = [sys.executable, str(tmp_path / "wrapper.py"), *spec.cmd[1:]]
     started = []
     try:
