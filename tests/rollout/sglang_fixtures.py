@@ -59,11 +59,38 @@ class Owner:
         return self.recover
 
 
+# A server under test binds its port seconds after the port was found free (after its model
+# load). A port of the kernel's ephemeral range can be taken meanwhile by any outgoing connection
+# of the other pytest worker (CI saw "Address already in use"), so test servers take ports below
+# that range, from a band of their own per pytest-xdist worker, below the fleets' default
+# base_port (30000; the product moves a fleet whose port is taken). Ports are handed out PORT_STEP
+# apart: a port given as a fleet's base_port is followed by its engines' ports.
+PORT_BAND, PORT_STEP, PORT_BANDS_START, PORT_BANDS_END = 2000, 20, 12000, 30000
+_next_port: list[int] = []
+
+
+def _band() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return PORT_BANDS_START + index % ((PORT_BANDS_END - PORT_BANDS_START) // PORT_BAND) * PORT_BAND
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free right now, outside the ephemeral range, not handed out by this
+    process in its last PORT_BAND // PORT_STEP calls (see PORT_BAND)."""
+    band = _band()
+    if not _next_port:   # another process of the same worker (rare) starts elsewhere in the band
+        _next_port.append(os.getpid() % 10 * (PORT_BAND // 10))
+    for _ in range(PORT_BAND // PORT_STEP):
+        port = band + _next_port[0] % PORT_BAND
+        _next_port[0] += PORT_STEP
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {band}..{band + PORT_BAND - 1}")
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
