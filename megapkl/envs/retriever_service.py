@@ -77,6 +77,7 @@ class ManagedRetriever:
                     f"{self.proc.popen.returncode} before it answered; log: {self.log_path}: "
                     f"{_last_line(self.proc.log_tail())}")
             if _healthy(base):
+                self._check_own_port()
                 return
             if time.monotonic() - t0 > self.health_deadline_s:
                 self.close()
@@ -85,6 +86,19 @@ class ManagedRetriever:
                     f"{self.health_deadline_s:g} s ({self.key}.health_deadline_s); log: "
                     f"{self.log_path}")
             time.sleep(0.2)
+
+    def _check_own_port(self) -> None:
+        """A retriever binds its port after loading its index, seconds after the port was found
+        free: another process of this host may have taken it meanwhile and answered /health. The
+        run would then search someone else's index."""
+        from megapkl.rollout.sglang.launch import holds_port
+
+        if self.launcher is None and holds_port(self.proc, self.port) is False:
+            self.close()
+            raise RetrieverLaunchError(
+                f"{self.key}.port: another process of this host answers port {self.port}, not the "
+                f"retriever megapkl started (it took the port first); choose another. log: "
+                f"{self.log_path}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()

@@ -102,6 +102,45 @@ def test_managed_retriever_that_cannot_start(tmp_path):
         r.start()
 
 
+def test_a_retriever_whose_port_another_process_took_is_refused(corpus, tmp_path, monkeypatch):
+    """The port was free when checked; another process took it before the retriever bound it
+    and answers /health: the run must not search that process's index."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from megapkl.envs.retriever_service import ManagedRetriever, RetrieverLaunchError
+    from megapkl.retriever.index import build_index
+    from megapkl.rollout.sglang import launch
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    build_index(str(corpus), str(tmp_path / "ix"))
+    other = ThreadingHTTPServer(("127.0.0.1", launch.pick_ports("127.0.0.1", 18640, 1)[0]), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    monkeypatch.setattr(launch, "port_free", lambda host, port: True)  # free when checked
+    r = ManagedRetriever(str(tmp_path / "ix"), log_path=tmp_path / "r.log",
+                         port=other.server_address[1])
+    try:
+        with pytest.raises(RetrieverLaunchError, match=r"^env.search.port: another process of "
+                           r"this host answers port \d+, not the retriever megapkl started"):
+            r.start()
+        assert not r.alive()
+    finally:
+        r.close()
+        other.shutdown()
+        other.server_close()
+
+
 def test_a_dead_url_fails_before_any_rollout():
     from megapkl.config.typed import build
     from megapkl.config.sections_env import EnvConfig
