@@ -18,10 +18,10 @@ conftest) and bring the fixtures into the test module by name:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -66,7 +66,8 @@ class Owner:
 # base_port (30000; the product moves a fleet whose port is taken). Ports are handed out PORT_STEP
 # apart: a port given as a fleet's base_port is followed by its engines' ports.
 PORT_BAND, PORT_STEP, PORT_BANDS_START, PORT_BANDS_END = 2000, 20, 12000, 30000
-_next_port: list[int] = []
+# another process of the same worker (rare) starts elsewhere in the band
+_offsets = itertools.count(os.getpid() % 10 * (PORT_BAND // 10), PORT_STEP)
 
 
 def _band() -> int:
@@ -78,18 +79,13 @@ def _band() -> int:
 def free_port() -> int:
     """A loopback TCP port free right now, outside the ephemeral range, not handed out by this
     process in its last PORT_BAND // PORT_STEP calls (see PORT_BAND)."""
+    from megapkl.rollout.sglang.launch import port_free
+
     band = _band()
-    if not _next_port:   # another process of the same worker (rare) starts elsewhere in the band
-        _next_port.append(os.getpid() % 10 * (PORT_BAND // 10))
     for _ in range(PORT_BAND // PORT_STEP):
-        port = band + _next_port[0] % PORT_BAND
-        _next_port[0] += PORT_STEP
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-        return port
+        port = band + next(_offsets) % PORT_BAND
+        if port_free(HOST, port):
+            return port
     raise RuntimeError(f"no free port in {band}..{band + PORT_BAND - 1}")
 
 
