@@ -72,12 +72,13 @@ class ManagedRetriever:
         t0, base = time.monotonic(), self.url.rsplit("/", 1)[0]
         while True:
             if not self.proc.alive():
+                self._check_own_port(failed=True)
                 raise RetrieverLaunchError(
                     f"the retriever ({' '.join(self.proc.cmd[:6])} ...) exited with code "
                     f"{self.proc.popen.returncode} before it answered; log: {self.log_path}: "
                     f"{_last_line(self.proc.log_tail())}")
             if _healthy(base):
-                self._check_own_port()
+                self._check_own_port(failed=False)
                 return
             if time.monotonic() - t0 > self.health_deadline_s:
                 self.close()
@@ -87,18 +88,15 @@ class ManagedRetriever:
                     f"{self.log_path}")
             time.sleep(0.2)
 
-    def _check_own_port(self) -> None:
+    def _check_own_port(self, failed: bool) -> None:
         """A retriever binds its port after loading its index, seconds after the port was found
-        free: another process of this host may have taken it meanwhile and answered /health. The
-        run would then search someone else's index."""
-        from megapkl.rollout.sglang.launch import holds_port
+        free: another process of this host may have taken it meanwhile, so the retriever exits,
+        or (worse) that process answers /health and the run would search someone else's index."""
+        from megapkl.rollout.sglang.launch import port_lost
 
-        if self.launcher is None and holds_port(self.proc, self.port) is False:
+        if self.launcher is None and (why := port_lost(self.proc, self.port, failed)):
             self.close()
-            raise RetrieverLaunchError(
-                f"{self.key}.port: another process of this host answers port {self.port}, not the "
-                f"retriever megapkl started (it took the port first); choose another. log: "
-                f"{self.log_path}")
+            raise RetrieverLaunchError(f"{self.key}.port: {why}; choose another")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()

@@ -132,13 +132,35 @@ def test_a_retriever_whose_port_another_process_took_is_refused(corpus, tmp_path
                          port=other.server_address[1])
     try:
         with pytest.raises(RetrieverLaunchError, match=r"^env.search.port: another process of "
-                           r"this host answers port \d+, not the retriever megapkl started"):
+                           r"this host listens on port \d+, neither the one megapkl launched"):
             r.start()
         assert not r.alive()
     finally:
         r.close()
         other.shutdown()
         other.server_close()
+
+
+def test_a_retriever_that_could_not_bind_its_port_names_the_key(corpus, tmp_path, monkeypatch):
+    """The port was free when checked; another process listens on it by the time the retriever
+    binds: the retriever exits, and the error names the key to change."""
+    import socket
+
+    from megapkl.envs.retriever_service import ManagedRetriever, RetrieverLaunchError
+    from megapkl.retriever.index import build_index
+    from megapkl.rollout.sglang import launch
+
+    build_index(str(corpus), str(tmp_path / "ix"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", launch.pick_ports("127.0.0.1", 18660, 1)[0]))
+        other.listen()
+        monkeypatch.setattr(launch, "port_free", lambda host, port: True)  # free when checked
+        r = ManagedRetriever(str(tmp_path / "ix"), log_path=tmp_path / "r.log",
+                             port=other.getsockname()[1])
+        with pytest.raises(RetrieverLaunchError, match=r"^env.search.port: port \d+ taken before "
+                           r"it could bind it \(.*r\.log\); choose another"):
+            r.start()
+        assert not r.alive()
 
 
 def test_a_dead_url_fails_before_any_rollout():
